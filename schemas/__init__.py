@@ -1,0 +1,50 @@
+"""mmworker's wire contract: the messages on the input, output and dead-letter topics.
+
+Only pydantic is imported here so producers and consumers can depend on this package alone.
+"""
+
+from schemas.codes import RETRYABLE_CODES, ErrorCode
+from schemas.errors import InvalidJson, InvalidSchema, SchemaError, UnsupportedVersion
+from schemas.failure import MAX_PAYLOAD_BYTES, Failure
+from schemas.job import (
+    DEFAULT_PROMPTS,
+    MAX_MEDIA_PER_JOB,
+    GenerationParams,
+    ImageOptions,
+    Job,
+    MediaKind,
+    MediaRef,
+    VideoOptions,
+    VideoStrategy,
+)
+from schemas.parse import parse_job
+from schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
+from schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "MAX_MEDIA_PER_JOB",
+    "MAX_PAYLOAD_BYTES",
+    "RETRYABLE_CODES",
+    "SCHEMA_MAJOR",
+    "SCHEMA_VERSION",
+    "ErrorCode",
+    "Failure",
+    "GenerationParams",
+    "ImageOptions",
+    "InvalidJson",
+    "InvalidSchema",
+    "Job",
+    "MediaFacts",
+    "MediaKind",
+    "MediaRef",
+    "Result",
+    "SchemaError",
+    "SourceCoords",
+    "Timings",
+    "UnsupportedVersion",
+    "Usage",
+    "VideoOptions",
+    "VideoStrategy",
+    "parse_job",
+]

@@ -1,0 +1,37 @@
+"""The closed set of failure codes shared by every layer.
+
+One enum, owned by the wire contract, so that a dead-letter consumer can switch on a code without
+importing the worker, and so that every typed exception in `preprocess` and `mmworker` maps onto
+exactly one value here.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    INVALID_JSON = "invalid_json"
+    INVALID_SCHEMA = "invalid_schema"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    FORBIDDEN_URI = "forbidden_uri"
+    FETCH_FAILED = "fetch_failed"
+    FETCH_TIMEOUT = "fetch_timeout"
+    TOO_LARGE = "too_large"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    UNSUPPORTED_MEDIA = "unsupported_media"
+    UNDECODABLE_IMAGE = "undecodable_image"
+    UNDECODABLE_VIDEO = "undecodable_video"
+    NO_FRAMES = "no_frames"
+    BAD_ASPECT_RATIO = "bad_aspect_ratio"
+    TOO_MANY_VISUAL_TOKENS = "too_many_visual_tokens"
+    TOO_MANY_MEDIA = "too_many_media"
+    ENGINE_ERROR = "engine_error"
+    INTERNAL_ERROR = "internal_error"
+
+
+#: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries
+#: these with backoff before dead-lettering. Everything else is a property of the message itself.
+RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(
+    {ErrorCode.FETCH_FAILED, ErrorCode.FETCH_TIMEOUT, ErrorCode.ENGINE_ERROR}
+)

@@ -1,0 +1,74 @@
+"""The output message: a caption and everything needed to trust and account for it."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from schemas.job import MediaKind
+from schemas.version import SCHEMA_VERSION
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class SourceCoords(_Out):
+    """Where the job was read from, so any record can be traced back and replayed."""
+
+    topic: str
+    partition: int
+    offset: int
+
+
+class Usage(_Out):
+    prompt_tokens: int = Field(ge=0, description="All prompt tokens, visual ones included")
+    visual_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+
+
+class MediaFacts(_Out):
+    kind: MediaKind
+    sha256: str
+    original_size: tuple[int, int] = Field(description="(width, height) as decoded")
+    resized_size: tuple[int, int] = Field(description="(width, height) handed to the model")
+    visual_tokens: int = Field(ge=0)
+    frames: int | None = Field(default=None, description="Frames used (video only)")
+    frame_timestamps: list[float] | None = Field(
+        default=None, description="Presentation time in seconds of each frame used"
+    )
+    duration_s: float | None = None
+    cache_hit: bool = Field(description="Prepared features came from the feature cache")
+
+
+class Timings(_Out):
+    """Seconds spent in each stage; queue_wait is from the broker timestamp to the worker."""
+
+    queue_wait_s: float = Field(ge=0.0)
+    fetch_s: float = Field(ge=0.0)
+    preprocess_s: float = Field(ge=0.0)
+    engine_s: float = Field(ge=0.0)
+    total_s: float = Field(ge=0.0)
+
+
+class Result(_Out):
+    schema_version: str = SCHEMA_VERSION
+    job_id: str
+    text: str
+    finish_reason: Literal["stop", "length", "abort"] | str
+    model: str
+    model_revision: str | None = None
+    usage: Usage
+    media: list[MediaFacts]
+    timings: Timings
+    cache_hit: bool = Field(description="Every media item came from the feature cache")
+    source: SourceCoords
+    worker_id: str
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    created_at: datetime = Field(default_factory=_now)
