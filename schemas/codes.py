@@ -27,11 +27,17 @@ class ErrorCode(StrEnum):
     TOO_MANY_VISUAL_TOKENS = "too_many_visual_tokens"
     TOO_MANY_MEDIA = "too_many_media"
     ENGINE_ERROR = "engine_error"
+    JOB_TIMEOUT = "job_timeout"
     INTERNAL_ERROR = "internal_error"
 
 
 #: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries
 #: these with backoff before dead-lettering. Everything else is a property of the message itself.
 RETRYABLE_CODES: frozenset[ErrorCode] = frozenset(
-    {ErrorCode.FETCH_FAILED, ErrorCode.FETCH_TIMEOUT, ErrorCode.ENGINE_ERROR}
+    {
+        ErrorCode.FETCH_FAILED,
+        ErrorCode.FETCH_TIMEOUT,
+        ErrorCode.ENGINE_ERROR,
+        ErrorCode.JOB_TIMEOUT,
+    }
 )

@@ -12,6 +12,8 @@ class SchemaError(Exception):
     """Root of every error this package raises."""
 
     code: ErrorCode = ErrorCode.INVALID_SCHEMA
+    #: A malformed message stays malformed: never worth retrying.
+    retryable = False
 
     def __init__(self, message: str, *, job_id: str | None = None) -> None:
         super().__init__(message)

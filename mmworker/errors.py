@@ -1,0 +1,44 @@
+"""The worker's exception tree: one root, each error carrying its dead-letter code."""
+
+from __future__ import annotations
+
+from schemas.codes import RETRYABLE_CODES, ErrorCode
+
+
+class WorkerError(Exception):
+    """Root of every error the mmworker package raises."""
+
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = self.code in RETRYABLE_CODES if retryable is None else retryable
+
+
+class ConfigError(WorkerError):
+    """The configuration is inconsistent; raised at start-up, never per job."""
+
+
+class EngineFatal(WorkerError):
+    """The engine is dead: stop consuming, commit nothing further, exit non-zero."""
+
+    code = ErrorCode.ENGINE_ERROR
+
+
+class RequestFailed(WorkerError):
+    """One request failed inside the engine; the job is retried, then dead-lettered."""
+
+    code = ErrorCode.ENGINE_ERROR
+
+
+class TooManyMedia(WorkerError):
+    code = ErrorCode.TOO_MANY_MEDIA
+
+
+class VisualBudgetExceeded(WorkerError):
+    code = ErrorCode.TOO_MANY_VISUAL_TOKENS
+
+
+class JobTimeout(WorkerError):
+    code = ErrorCode.JOB_TIMEOUT

@@ -1,0 +1,136 @@
+"""One Kafka record → one `Result` or one `Failure`, retrying what may succeed later.
+
+Every exception a job can raise is typed and carries its dead-letter code; anything else is a bug,
+reported as `internal_error` on the dead-letter topic so the partition keeps flowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from mmworker.config import WorkerConfig
+from mmworker.engine import Engine, EngineItem
+from mmworker.errors import EngineFatal, JobTimeout, TooManyMedia, VisualBudgetExceeded, WorkerError
+from mmworker.media import MediaStage, PreparedMedia
+from mmworker.metrics import Metrics
+from mmworker.records import Context, build_failure, build_result, visual_tokens
+from preprocess.errors import PreprocessError
+from schemas import Failure, Job, Result, SchemaError, parse_job
+from schemas.codes import ErrorCode
+
+log = logging.getLogger(__name__)
+
+_TYPED = (SchemaError, PreprocessError, WorkerError)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    topic: str
+    key: str
+    record: Result | Failure
+
+    @property
+    def kind(self) -> str:
+        return "result" if isinstance(self.record, Result) else "failure"
+
+
+class JobRunner:
+    def __init__(
+        self, cfg: WorkerConfig, engine: Engine, media: MediaStage, metrics: Metrics
+    ) -> None:
+        self._cfg = cfg
+        self._engine = engine
+        self._media = media
+        self._metrics = metrics
+
+    async def run(self, raw: bytes | None, ctx: Context, broker_ts_ms: int) -> Outcome:
+        """Raises only `EngineFatal` (and cancellation); every other failure becomes a record."""
+        limits = self._cfg.limits
+        job: Job | None = None
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                job = parse_job(raw)
+                result = await asyncio.wait_for(
+                    self._attempt(job, ctx, broker_ts_ms), timeout=limits.job_timeout_s
+                )
+                self._metrics.jobs.labels("result").inc()
+                return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
+            except EngineFatal:
+                raise
+            except TimeoutError:
+                error: Exception = JobTimeout(f"job exceeded {limits.job_timeout_s}s")
+            except _TYPED as exc:
+                error = exc
+            except Exception as exc:
+                log.exception("unexpected error in job at %s", ctx.source)
+                error = WorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            code, message, retryable = _classify(error)
+            if retryable and attempts < limits.max_attempts:
+                self._metrics.retries.inc()
+                await asyncio.sleep(limits.retry_backoff_s * 2 ** (attempts - 1))
+                continue
+            self._metrics.jobs.labels("failure").inc()
+            self._metrics.failures.labels(code.value).inc()
+            job_id = getattr(error, "job_id", None)
+            failure = build_failure(code, message, retryable, attempts, raw, ctx, job, job_id)
+            key = failure.job_id or f"{ctx.source.topic}/{ctx.source.partition}/{ctx.source.offset}"
+            return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
+
+    async def _attempt(self, job: Job, ctx: Context, broker_ts_ms: int) -> Result:
+        t0 = time.perf_counter()
+        queue_wait_s = time.time() - broker_ts_ms / 1000 if broker_ts_ms > 0 else 0.0
+        media = await self._media.prepare(job)
+        self._observe_media(media)
+        kinds = tuple(m.kind for m in media)
+        instruction = job.instruction(list(kinds))
+        self._check_budget(job, media, instruction, kinds)
+        items = [EngineItem(m.prepared, m.sha256) for m in media]
+        request_id = f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
+        out = await self._engine.generate(request_id, instruction, items, job.generation)
+        self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
+        self._metrics.output_tokens.inc(out.output_tokens)
+        return build_result(job, media, out, ctx, queue_wait_s, time.perf_counter() - t0)
+
+    def _observe_media(self, media: list[PreparedMedia]) -> None:
+        for m in media:
+            self._metrics.cache.labels("hit" if m.cache_hit else "miss").inc()
+            self._metrics.stage_seconds.labels("fetch").observe(m.fetch_s)
+            self._metrics.stage_seconds.labels("preprocess").observe(m.preprocess_s)
+
+    def _check_budget(
+        self, job: Job, media: list[PreparedMedia], instruction: str, kinds: tuple[str, ...]
+    ) -> None:
+        """Refuse what the engine would fail on, before it is submitted (vLLM #34040)."""
+        engine_cfg = self._cfg.engine
+        for kind, count in Counter(kinds).items():
+            limit = engine_cfg.limit_mm_per_prompt.get(kind, 0)
+            if count > limit:
+                raise TooManyMedia(f"{count} {kind} items; this worker takes at most {limit}")
+        per_item = [visual_tokens(m) for m in media]
+        worst = max(per_item, default=0)
+        if worst > engine_cfg.max_visual_tokens_per_item:
+            raise VisualBudgetExceeded(
+                f"an item needs {worst} visual tokens; the limit is "
+                f"{engine_cfg.max_visual_tokens_per_item}"
+            )
+        if engine_cfg.max_model_len is not None:
+            text = self._engine.prompt_tokens(instruction, kinds)
+            need = text + sum(per_item) + job.generation.max_tokens
+            if need > engine_cfg.max_model_len:
+                raise VisualBudgetExceeded(
+                    f"prompt ({text} text + {sum(per_item)} visual tokens) plus max_tokens "
+                    f"{job.generation.max_tokens} is {need}; max_model_len is "
+                    f"{engine_cfg.max_model_len}"
+                )
+
+
+def _classify(error: Exception) -> tuple[ErrorCode, str, bool]:
+    if isinstance(error, _TYPED):
+        return error.code, error.message, error.retryable
+    return ErrorCode.INTERNAL_ERROR, str(error), False

@@ -1,0 +1,124 @@
+"""kafka-python plumbing: clients from the config, topic creation, awaitable sends.
+
+kafka-python's consumer is not thread-safe, so the worker calls it from one dedicated thread; the
+producer is thread-safe and its acknowledgements are bridged onto the event loop here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+from kafka.structs import TopicPartition as KafkaTP
+
+from mmworker.config import KafkaConfig
+from mmworker.offsets import TopicPartition
+
+log = logging.getLogger(__name__)
+
+
+def make_consumer(cfg: KafkaConfig) -> KafkaConsumer:
+    return KafkaConsumer(
+        group_id=cfg.group_id,
+        enable_auto_commit=False,
+        # 'earliest': a new group starts from the beginning, so no job posted before the first
+        # worker joined is skipped.
+        auto_offset_reset="earliest",
+        session_timeout_ms=cfg.session_timeout_ms,
+        heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+        max_poll_interval_ms=cfg.max_poll_interval_ms,
+        max_poll_records=cfg.max_poll_records,
+        fetch_max_bytes=cfg.fetch_max_bytes,
+        max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
+        **cfg.client_kwargs(),
+    )
+
+
+def make_producer(cfg: KafkaConfig) -> KafkaProducer:
+    return KafkaProducer(
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=cfg.linger_ms,
+        max_request_size=cfg.max_request_size,
+        compression_type=cfg.compression_type,
+        **cfg.client_kwargs(),
+    )
+
+
+def ensure_topics(cfg: KafkaConfig, topics: dict[str, int], replication: int = 1) -> None:
+    """Create missing topics (demo, tests, first deployment); existing ones are left alone."""
+    admin = KafkaAdminClient(**cfg.client_kwargs())
+    try:
+        existing = set(admin.list_topics())
+        new = [
+            NewTopic(name, num_partitions=parts, replication_factor=replication)
+            for name, parts in topics.items()
+            if name not in existing
+        ]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                log.debug("topics created concurrently by another client")
+    finally:
+        admin.close()
+
+
+async def send(producer: KafkaProducer, topic: str, key: str, value: bytes, kind: str) -> None:
+    """Send and wait for the broker's acknowledgement without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def ok(meta: Any) -> None:
+        loop.call_soon_threadsafe(_settle, done, meta, None)
+
+    def failed(exc: BaseException) -> None:
+        loop.call_soon_threadsafe(_settle, done, None, exc)
+
+    future = producer.send(
+        topic, key=key.encode(), value=value, headers=[("mmworker-record", kind.encode())]
+    )
+    future.add_callback(ok)
+    future.add_errback(failed)
+    await done
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)
+
+
+def commit_payload(offsets: dict[TopicPartition, int]) -> dict[KafkaTP, OffsetAndMetadata]:
+    return {KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()}
+
+
+class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Runs on kafka-python's IO thread, so it must not block: commits here are asynchronous."""
+
+    def __init__(
+        self,
+        on_revoked: Callable[[list[TopicPartition]], None],
+        on_lost: Callable[[list[TopicPartition]], None],
+    ) -> None:
+        self._on_revoked = on_revoked
+        self._on_lost = on_lost
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self._on_revoked([TopicPartition(tp.topic, tp.partition) for tp in revoked])
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+    def on_partitions_lost(self, lost: Any) -> None:
+        self._on_lost([TopicPartition(tp.topic, tp.partition) for tp in lost])
