@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from mmworker.errors import WorkerError
 from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ _MAX_NDIM = 8
 _MAX_DTYPE_LEN = 32
 
 
-class CacheError(Exception):
+class CacheError(WorkerError):
     """Misuse of the cache API (bad key or media hash); never raised for a bad entry on disk."""
 
 

@@ -117,9 +117,14 @@ class EngineConfig(_Section):
     data_parallel_size: int = Field(1, ge=1)
     quantization: str | None = Field(None, description="e.g. awq, gptq, fp8")
     dtype: str = Field("auto", description="auto, bfloat16, float16, float32")
-    enforce_eager: bool = Field(False, description="Skip CUDA graphs / torch.compile")
+    enforce_eager: bool | None = Field(
+        None, description="Skip CUDA graphs / torch.compile; unset: on for CPU, off for GPU"
+    )
     kv_cache_memory_bytes: int | None = Field(
-        None, ge=1, description="Explicit KV cache size; use on CPU instead of a RAM fraction"
+        None,
+        ge=1,
+        description="Explicit KV cache size; unset on a CPU-only host means 512 MiB (vLLM would "
+        "otherwise claim a fraction of host RAM)",
     )
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
     seed: int = 0

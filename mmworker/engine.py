@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +24,10 @@ from preprocess.params import PreparedImage, PreparedVideo
 from schemas import GenerationParams
 
 log = logging.getLogger(__name__)
+
+#: On CPU, vLLM reads gpu_memory_utilization as a fraction of host RAM and fails when that much is
+#: not free (FIELD-NOTES §1); an explicit KV budget is what works.
+CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 _PLACEHOLDER = {"image": {"type": "image"}, "video": {"type": "video"}}
 
@@ -74,7 +77,6 @@ class Engine:
         self.busy_s = 0.0
 
     def start(self) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if _cpu_only() else "1")
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -108,6 +110,9 @@ class Engine:
             "seed": cfg.seed,
             "disable_log_stats": True,
         }
+        if _cpu_only():
+            kwargs["enforce_eager"] = True if cfg.enforce_eager is None else cfg.enforce_eager
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
         return kwargs
@@ -192,6 +197,7 @@ class Engine:
             llm.shutdown()
 
 
+@lru_cache(maxsize=1)
 def _cpu_only() -> bool:
     import torch
 

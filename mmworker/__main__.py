@@ -1,0 +1,3 @@
+from mmworker.cli import main
+
+raise SystemExit(main())

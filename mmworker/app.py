@@ -1,0 +1,79 @@
+"""Wiring: config → metrics, cache, pools, engine, worker. Owns start-up order and teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache
+from mmworker.config import WorkerConfig
+from mmworker.engine import Engine, resolve_model
+from mmworker.jobs import JobRunner
+from mmworker.kafka_io import ensure_topics
+from mmworker.media import MediaStage
+from mmworker.metrics import Metrics
+from mmworker.worker import Worker
+from preprocess.prepare import warm_up
+
+log = logging.getLogger(__name__)
+
+
+def make_cache(cfg: WorkerConfig) -> FeatureCache:
+    if not cfg.cache.enabled:
+        return NullFeatureCache()
+    return DiskFeatureCache(cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level)
+
+
+def model_cache_dir() -> Path:
+    """Where the `tiny` test model is built once per machine."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "mmworker" / "models"
+
+
+def run_worker(cfg: WorkerConfig, create_topics: int | None = None) -> int:
+    """Start everything, consume until stopped, tear down; returns the process exit code."""
+    return asyncio.run(_serve(cfg, create_topics))
+
+
+async def _serve(cfg: WorkerConfig, create_topics: int | None) -> int:
+    # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
+    metrics = Metrics()
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port)
+    cache = make_cache(cfg)
+    # spawn: pool processes must not inherit the engine's threads or CUDA state.
+    cpu_pool = ProcessPoolExecutor(
+        cfg.preprocess.workers, mp_context=multiprocessing.get_context("spawn")
+    )
+    io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
+    engine: Engine | None = None
+    try:
+        warming = [cpu_pool.submit(warm_up) for _ in range(cfg.preprocess.workers)]
+        if create_topics:
+            k = cfg.kafka
+            ensure_topics(k, {k.input_topic: create_topics, k.output_topic: create_topics,
+                              k.dead_letter_topic: 1})  # fmt: skip
+        engine = Engine(cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()))
+        engine.start()
+        for f in warming:
+            f.result()
+        media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool)
+        runner = JobRunner(cfg, engine, media, metrics)
+        worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
+        log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
+        code = await worker.run()
+        stats = cache.stats()
+        log.info(
+            "stopped (exit %d); feature cache hits=%d misses=%d; engine busy %.1fs",
+            code, stats.hits, stats.misses, engine.busy_s,
+        )  # fmt: skip
+        return code
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        cpu_pool.shutdown(cancel_futures=True)
+        io_pool.shutdown(cancel_futures=True)

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mmworker.cli import build_parser, overrides_from
+from mmworker.config import load_config
+from mmworker.config_reference import render_reference
+from mmworker.errors import ConfigError
+
+
+def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text('[kafka]\ngroup_id = "from-file"\ninput_topic = "file-topic"\n'
+                    '[engine]\nmax_num_seqs = 8\n')  # fmt: skip
+    monkeypatch.setenv("MMWORKER_KAFKA__GROUP_ID", "from-env")
+    cfg = load_config(toml, engine={"max_num_seqs": 32})
+    assert cfg.kafka.group_id == "from-env"
+    assert cfg.kafka.input_topic == "file-topic"
+    assert cfg.engine.max_num_seqs == 32
+
+
+def test_gpu_memory_utilization_is_raised_above_vllm_default() -> None:
+    assert load_config().engine.gpu_memory_utilization > 0.9
+
+
+def test_secrets_are_masked() -> None:
+    cfg = load_config(kafka={"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512",
+                             "sasl_username": "u", "sasl_password": "hunter2"})  # fmt: skip
+    assert "hunter2" not in str(cfg.masked())
+    assert cfg.kafka.client_kwargs()["sasl_plain_password"] == "hunter2"
+
+
+def test_incomplete_sasl_is_refused() -> None:
+    with pytest.raises(ValidationError, match="SASL needs"):
+        load_config(kafka={"security_protocol": "SASL_PLAINTEXT"})
+
+
+def test_unknown_setting_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        load_config(engine={"no_such_knob": 1})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config()
+    with pytest.raises(ValidationError):
+        cfg.kafka.group_id = "x"  # type: ignore[misc]
+
+
+def test_cli_flags_and_set_build_nested_overrides() -> None:
+    args = build_parser().parse_args([
+        "run", "--bootstrap-servers", "b:1", "--max-in-flight", "7",
+        "--set", "engine.limit_mm_per_prompt={\"image\": 2, \"video\": 2}",
+        "--set", "engine.quantization=fp8",
+    ])  # fmt: skip
+    over = overrides_from(args)
+    cfg = load_config(**over)
+    assert cfg.kafka.bootstrap_servers == "b:1"
+    assert cfg.limits.max_in_flight == 7
+    assert cfg.engine.limit_mm_per_prompt == {"image": 2, "video": 2}
+    assert cfg.engine.quantization == "fp8"
+
+
+def test_reference_lists_every_setting_with_its_env_var() -> None:
+    ref = render_reference()
+    assert "`MMWORKER_ENGINE__GPU_MEMORY_UTILIZATION`" in ref
+    assert "`MMWORKER_LIMITS__MAX_IN_FLIGHT`" in ref
+    assert ref.count("\n") > 50
