@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # kafka-python narrates every connection at INFO; its warnings still show.
+    logging.getLogger("kafka").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

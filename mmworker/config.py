@@ -179,7 +179,8 @@ class PreprocessConfig(_Section):
     def image_params(self, min_pixels: int | None, max_pixels: int | None) -> ImageParams:
         return ImageParams(
             min_pixels=min_pixels or self.image_min_pixels,
-            max_pixels=max_pixels or self.image_max_pixels,
+            # Never below the minimum: the engine's processor would upscale what we shrank.
+            max_pixels=max(max_pixels or self.image_max_pixels, self.image_min_pixels),
             max_ratio=self.max_aspect_ratio,
             max_source_pixels=self.max_source_pixels,
         )
@@ -201,7 +202,7 @@ class PreprocessConfig(_Section):
             interval_s=interval_s or self.video_interval_s,
             max_frames=max_frames or self.video_max_frames,
             min_pixels=self.video_min_pixels,
-            max_pixels=max_pixels or self.video_max_pixels,
+            max_pixels=max(max_pixels or self.video_max_pixels, self.video_min_pixels),
             total_pixels=self.video_total_pixels,
             max_ratio=self.max_aspect_ratio,
         )

@@ -22,18 +22,25 @@ from mmworker.config import KafkaConfig
 from mmworker.kafka_io import ensure_topics
 from mmworker.samples import sample_image, sample_video
 from mmworker.tools import summarise
-from schemas import Job, MediaRef
+from schemas import GenerationParams, Job, MediaRef
 
 TOPICS = {"input": "demo.jobs", "output": "demo.results", "dlq": "demo.dead-letter"}
 DEADLINE_S = 600.0
 
 
-def worker_command(bootstrap: str, workdir: Path) -> list[str]:
+def worker_command(
+    bootstrap: str,
+    workdir: Path,
+    topics: dict[str, str] | None = None,
+    group: str | None = None,
+    extra: dict[str, object] | None = None,
+) -> list[str]:
     """The CPU/tiny-model settings a test or demo worker runs with."""
-    sets = {
-        "kafka.input_topic": TOPICS["input"],
-        "kafka.output_topic": TOPICS["output"],
-        "kafka.dead_letter_topic": TOPICS["dlq"],
+    topics = topics or TOPICS
+    sets: dict[str, object] = {
+        "kafka.input_topic": topics["input"],
+        "kafka.output_topic": topics["output"],
+        "kafka.dead_letter_topic": topics["dlq"],
         "kafka.session_timeout_ms": 6000,
         "kafka.heartbeat_interval_ms": 1000,
         "kafka.commit_interval_s": 0.5,
@@ -42,9 +49,11 @@ def worker_command(bootstrap: str, workdir: Path) -> list[str]:
         "preprocess.workers": 1,
         "limits.max_attempts": 2,
         "limits.retry_backoff_s": 0.2,
+        **(extra or {}),
     }
+    group = group or f"demo-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "mmworker", "run", "--bootstrap-servers", bootstrap,
-           "--model", "tiny", "--group-id", f"demo-{uuid.uuid4().hex[:8]}",
+           "--model", "tiny", "--group-id", group,
            "--cache-dir", str(workdir / "features"), "--create-topics", "3"]  # fmt: skip
     for key, value in sets.items():
         cmd += ["--set", f"{key}={json.dumps(value)}"]
@@ -54,9 +63,10 @@ def worker_command(bootstrap: str, workdir: Path) -> list[str]:
 def _jobs(workdir: Path) -> list[tuple[str, bytes]]:
     video = workdir / "ball.mp4"
     video.write_bytes(sample_video())
-    image = Job(job_id="demo-image", media=[MediaRef(data=sample_image())])
-    clip = Job(job_id="demo-video", media=[MediaRef(uri=video.as_uri())])
-    again = Job(job_id="demo-video-again", media=[MediaRef(uri=video.as_uri())])
+    gen = GenerationParams(max_tokens=24)
+    image = Job(job_id="demo-image", media=[MediaRef(data=sample_image())], generation=gen)
+    clip = Job(job_id="demo-video", media=[MediaRef(uri=video.as_uri())], generation=gen)
+    again = Job(job_id="demo-video-again", media=[MediaRef(uri=video.as_uri())], generation=gen)
     forbidden = Job(job_id="demo-forbidden", media=[MediaRef(uri="file:///etc/passwd")])
     return [
         ("demo-image", image.model_dump_json().encode()),
@@ -104,9 +114,8 @@ def _exchange(bootstrap: str, workdir: Path, worker: subprocess.Popen[bytes]) ->
     deadline = time.monotonic() + DEADLINE_S
     while waiting and time.monotonic() < deadline and worker.poll() is None:
         for record in consumer:
-            doc = json.loads(record.value)
-            print(summarise(record.topic, doc), flush=True)
-            waiting.discard(str(doc.get("job_id")))
+            print(summarise(record.topic, json.loads(record.value)), flush=True)
+            waiting.discard(record.key.decode())
         if not repeat_sent and "demo-video" not in waiting:
             key, value = jobs[-1]
             producer.send(TOPICS["input"], key=key.encode(), value=value)

@@ -79,7 +79,8 @@ class JobRunner:
             self._metrics.failures.labels(code.value).inc()
             job_id = getattr(error, "job_id", None)
             failure = build_failure(code, message, retryable, attempts, raw, ctx, job, job_id)
-            key = failure.job_id or f"{ctx.source.topic}/{ctx.source.partition}/{ctx.source.offset}"
+            src = ctx.source
+            key = failure.job_id or ctx.record_key or f"{src.topic}/{src.partition}/{src.offset}"
             return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
 
     async def _attempt(self, job: Job, ctx: Context, broker_ts_ms: int) -> Result:

@@ -44,6 +44,8 @@ class Context:
     """Facts about the record and the worker that every outgoing message carries."""
 
     source: SourceCoords
+    #: The input record's key: names a dead-letter record when the job_id could not be parsed.
+    record_key: str | None
     worker_id: str
     model: str
     model_revision: str | None

@@ -116,4 +116,6 @@ def summarise(topic: str, doc: dict[str, object]) -> str:
     media = doc.get("media") or []
     kinds = ",".join(str(m.get("kind")) for m in media if isinstance(m, dict))  # type: ignore[union-attr]
     hit = " (cache hit)" if doc.get("cache_hit") else ""
-    return f"[{topic}] {doc.get('job_id')} [{kinds}]{hit}: {doc.get('text')!r}"
+    text = str(doc.get("text"))
+    shown = repr(text[:60] + ("…" if len(text) > 60 else ""))
+    return f"[{topic}] {doc.get('job_id')} [{kinds}]{hit}: {shown}"

@@ -78,6 +78,7 @@ class Worker:
     async def _handle(self, tp: TopicPartition, record: Any) -> None:
         ctx = Context(
             SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset),
+            record.key.decode(errors="replace") if record.key else None,
             self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
         )  # fmt: skip
         try:

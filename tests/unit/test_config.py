@@ -11,7 +11,9 @@ from mmworker.config_reference import render_reference
 from mmworker.errors import ConfigError
 
 
-def test_precedence_flags_over_env_over_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precedence_flags_over_env_over_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     toml = tmp_path / "w.toml"
     toml.write_text('[kafka]\ngroup_id = "from-file"\ninput_topic = "file-topic"\n'
                     '[engine]\nmax_num_seqs = 8\n')  # fmt: skip

@@ -38,9 +38,10 @@ def test_inline_media_is_base64_on_the_wire_and_bytes_in_python() -> None:
     raw = _job(media=[{"data": base64.b64encode(b"\x89PNG...").decode()}])
     job = parse_job(raw)
     assert job.media[0].data == b"\x89PNG..."
-    assert json.loads(job.model_dump_json())["media"][0]["data"] == base64.b64encode(
-        b"\x89PNG..."
-    ).decode()
+    assert (
+        json.loads(job.model_dump_json())["media"][0]["data"]
+        == base64.b64encode(b"\x89PNG...").decode()
+    )
 
 
 @pytest.mark.parametrize(
@@ -51,14 +52,20 @@ def test_inline_media_is_base64_on_the_wire_and_bytes_in_python() -> None:
         (b"\xff\xfe", InvalidJson, ErrorCode.INVALID_JSON),
         (_job(media=[]), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(media=[{"uri": "ftp://x/y"}]), InvalidSchema, ErrorCode.INVALID_SCHEMA),
-        (_job(media=[{"uri": "https://a", "data": "AA=="}]), InvalidSchema, ErrorCode.INVALID_SCHEMA),
+        (
+            _job(media=[{"uri": "https://a", "data": "AA=="}]),
+            InvalidSchema,
+            ErrorCode.INVALID_SCHEMA,
+        ),
         (_job(schema_version="2.0"), UnsupportedVersion, ErrorCode.UNSUPPORTED_VERSION),
         (_job(schema_version="one"), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(generation={"max_tokens": 0}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(metadata={"blob": "x" * 20000}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
     ],
 )
-def test_bad_messages_raise_typed_errors(raw: bytes, error: type[Exception], code: ErrorCode) -> None:
+def test_bad_messages_raise_typed_errors(
+    raw: bytes, error: type[Exception], code: ErrorCode
+) -> None:
     with pytest.raises(error) as info:
         parse_job(raw)
     assert info.value.code == code  # type: ignore[attr-defined]

@@ -1,0 +1,582 @@
+"""Video bytes → sampled, upright, resized frames for Qwen2.5-VL (FIELD-NOTES §3).
+
+Two passes over the container, both with PyAV:
+
+1. Demux only (no decoding): every packet's timestamps and key flag. That is cheap, and it gives
+   the exact presentation time of every frame, so sampling picks frames by timestamp (correct for
+   variable-frame-rate phone video, where frame index ≠ time) and knows exactly which packets must
+   be decoded to reach each chosen frame.
+2. Decode only what is needed: from the key frame before each chosen frame up to that frame. Long
+   stretches without a chosen frame are skipped — with a container seek when the stretch is long,
+   by dropping packets unseen when it is short. Dense sampling thus decodes sequentially and
+   sparse sampling decodes a GOP prefix per frame, never the whole video.
+
+Timestamps are seconds from the first shown frame (MPEG-TS streams start at 1.4 s; users want
+"seconds into the video"). Frames are turned upright from the display matrix exactly as ffmpeg's
+autorotate does, then resized with Pillow's BICUBIC: measured against torchvision's antialiased
+bicubic (what qwen-vl-utils uses) Pillow differs by ~0.15/255 on average, swscale by 4-13/255.
+The resize, not the decode, dominates the cost (~15-25 ms per 720p frame on one core).
+
+Errors are typed: no video stream → `UnsupportedMedia` (an audio file is a real, decodable media
+file, just not a kind this worker captions); corrupt data, or a file whose own header proves it
+was cut short (mp4/AVI frame count, Matroska duration) → `UndecodableVideo` (a cut MPEG-TS
+cannot be told from a short one and is captioned as what is there); a stream that yields no
+frame → `NoFrames`; frames above `max_source_pixels` → `TooLarge`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import av
+import av.error
+import numpy as np
+import numpy.typing as npt
+from av.container import InputContainer
+from av.sidedata.sidedata import SideData
+from av.stream import Disposition
+from av.video.frame import VideoFrame
+from av.video.stream import VideoStream
+from PIL import Image
+
+from preprocess.errors import NoFrames, TooLarge, UndecodableVideo, UnsupportedMedia
+from preprocess.params import FRAME_FACTOR, IMAGE_FACTOR, PreparedVideo, VideoParams
+from preprocess.resize import smart_resize
+
+#: A stretch of unneeded packets at least this long is jumped with a container seek; shorter
+#: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek
+#: re-reads the index and re-syncs the demuxer.
+SEEK_MIN_PACKETS = 64
+
+_Transpose = Image.Transpose
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """How much work one call did; filled in when passed to `prepare_video`.
+
+    Lets tests prove that sparse sampling does not decode the whole video, and lets the worker
+    export decode cost as a metric without timing internals.
+    """
+
+    packets: int = 0  # video packets in the stream (first pass)
+    decoded: int = 0  # packets sent to the decoder
+    seeks: int = 0
+    runs: int = 0  # contiguous decode stretches, each starting at a key frame
+
+
+@dataclass(frozen=True, slots=True)
+class _Packet:
+    pts: int  # presentation time in stream time-base units (synthetic when untimed)
+    dts: int | None
+    key: bool
+    discard: bool  # mp4 edit-list pre-roll: decoded as a reference, never shown
+    duration: int
+
+
+@dataclass(slots=True)
+class _Timeline:
+    """The stream's frames as the demuxer sees them, in decode and presentation order."""
+
+    packets: list[_Packet]  # decode order
+    shown: list[int]  # decode indices of shown frames, in presentation order
+    seconds: list[float]  # presentation time of shown[i], relative to the first frame
+    time_base: Fraction
+    timed: bool  # False: no timestamps (raw elementary stream), times are synthetic
+    duration_s: float
+    source_fps: float
+    key_decode_idx: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Plan:
+    targets: list[int]  # presentation indices, one per output frame before padding
+    sample_fps: float
+
+
+@dataclass(slots=True)
+class _Run:
+    start: int  # decode index of the key frame decoding starts at
+    end: int  # decode index of the last packet needed
+    wanted: list[int] = field(default_factory=list)  # presentation indices, ascending
+
+
+def prepare_video(
+    data: bytes, params: VideoParams, stats: DecodeStats | None = None
+) -> PreparedVideo:
+    """Sample frames per `params.strategy`, turn them upright and resize them for the model."""
+    stats = stats if stats is not None else DecodeStats()
+    with _open(data) as container:
+        stream = _video_stream(container)
+        _check_source_size(stream.codec_context.width, stream.codec_context.height, params)
+        timeline = _scan(container, stream, stats)
+    plan = _plan(timeline, params)
+    if not plan.targets:
+        raise NoFrames("the video stream has no frames")
+    n_out = len(plan.targets) + len(plan.targets) % FRAME_FACTOR
+    wanted = sorted(set(plan.targets))
+    # A fresh container rather than a seek back to the start: some demuxers cannot seek to
+    # their first packet exactly, and reopening an in-memory file costs one header parse.
+    with _open(data) as container:
+        stream = _video_stream(container)
+        decoder = _Decoder(
+            container=container,
+            stream=stream,
+            timeline=timeline,
+            params=params,
+            n_out=n_out,
+            stats=stats,
+        )
+        captured = decoder.decode(_runs(timeline, wanted))
+    frames: list[npt.NDArray[np.uint8]] = []
+    timestamps: list[float] = []
+    for target in plan.targets:
+        if target in captured:
+            frame, seconds = captured[target]
+            frames.append(frame)
+            timestamps.append(seconds)
+    if not frames:
+        raise NoFrames("no frame of the video stream could be decoded")
+    if len(frames) % FRAME_FACTOR:
+        # Qwen merges frames in pairs; repeating the last one is what its processor does too.
+        frames.append(frames[-1])
+        timestamps.append(timestamps[-1])
+    assert decoder.original_size is not None
+    return PreparedVideo(
+        frames=np.ascontiguousarray(np.stack(frames)),
+        original_size=decoder.original_size,
+        timestamps=tuple(timestamps),
+        duration_s=timeline.duration_s,
+        source_fps=timeline.source_fps,
+        total_num_frames=len(timeline.shown),
+        sample_fps=plan.sample_fps,
+    )
+
+
+def _open(data: bytes) -> InputContainer:
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except av.error.FFmpegError as exc:
+        raise UndecodableVideo(f"cannot open the container: {exc}") from None
+
+
+def _video_stream(container: InputContainer) -> VideoStream:
+    """The first real video stream; cover art in audio files is a video stream too: skipped."""
+    streams = [s for s in container.streams.video if not s.disposition & Disposition.attached_pic]
+    if not streams:
+        kinds = ", ".join(sorted({str(s.type) for s in container.streams})) or "none"
+        raise UnsupportedMedia(f"no video stream (streams: {kinds})")
+    stream = streams[0]
+    if stream.codec_context is None:
+        raise UnsupportedMedia(f"no decoder for video codec {stream.codec.name!r}")
+    return stream
+
+
+def _check_source_size(width: int, height: int, params: VideoParams) -> None:
+    if width * height > params.max_source_pixels:
+        raise TooLarge(
+            f"video frames are {width}x{height}; the limit is {params.max_source_pixels} pixels"
+        )
+
+
+def _scan(container: InputContainer, stream: VideoStream, stats: DecodeStats) -> _Timeline:
+    """First pass: demux every packet without decoding."""
+    raw: list[tuple[int | None, int | None, bool, bool, int | None]] = []
+    try:
+        for packet in container.demux(stream):
+            if packet.size == 0:  # the empty packet that signals end of stream
+                continue
+            raw.append(
+                (packet.pts, packet.dts, packet.is_keyframe, packet.is_discard, packet.duration)
+            )
+    except av.error.FFmpegError as exc:
+        raise UndecodableVideo(f"corrupt container: {exc}") from None
+    stats.packets = len(raw)
+    declared = stream.frames
+    if declared and len(raw) < declared:
+        # mp4 declares its sample count up front; fewer packets means the data was cut short.
+        raise UndecodableVideo(
+            f"truncated video: the container declares {declared} frames, {len(raw)} are present"
+        )
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    timed = stream.time_base is not None and all(
+        (p if p is not None else d) is not None for p, d, *_ in raw
+    )
+    if timed:
+        assert stream.time_base is not None
+        time_base = stream.time_base
+        packets = [
+            _Packet(p if p is not None else d or 0, d, k, x, max(dur or 0, 0))
+            for p, d, k, x, dur in raw
+        ]
+    else:
+        # A raw elementary stream (e.g. Annex-B .h264) carries no timestamps: number the frames
+        # and space them at the nominal rate. Decoded frames are then matched by output order.
+        per_frame = Fraction(1) / Fraction(rate) if rate else Fraction(1, 25)
+        time_base = per_frame
+        packets = [_Packet(i, None, k, x, 1) for i, (_, _, k, x, _) in enumerate(raw)]
+    shown = sorted(
+        (i for i, p in enumerate(packets) if not p.discard), key=lambda i: packets[i].pts
+    )
+    if not shown:
+        return _Timeline(packets, [], [], time_base, timed, 0.0, float(rate or 0.0))
+    origin = packets[shown[0]].pts
+    seconds = [float((packets[i].pts - origin) * time_base) for i in shown]
+    duration_s = _duration(packets, shown, seconds, time_base, rate)
+    _check_complete(container, duration_s)
+    source_fps = float(rate) if rate else _rate(len(shown), duration_s, 0.0)
+    timeline = _Timeline(packets, shown, seconds, time_base, timed, duration_s, source_fps)
+    timeline.key_decode_idx = [i for i, p in enumerate(packets) if p.key]
+    return timeline
+
+
+def _check_complete(container: InputContainer, duration_s: float) -> None:
+    """Refuse a video whose header promises far more than its packets deliver (a cut download).
+
+    Only for single-stream files: with audio beside it, the container's duration may rightly
+    exceed the video's. Matroska and AVI headers state a duration; mp4 is caught by frame count.
+    """
+    if container.duration is None or len(container.streams) != 1:
+        return
+    declared = container.duration / 1_000_000  # AV_TIME_BASE
+    if declared - duration_s > max(1.0, 0.1 * declared):
+        raise UndecodableVideo(
+            f"truncated video: the container declares {declared:.2f} s, "
+            f"the frames present span {duration_s:.2f} s"
+        )
+
+
+def _duration(
+    packets: Sequence[_Packet],
+    shown: Sequence[int],
+    seconds: Sequence[float],
+    time_base: Fraction,
+    rate: Fraction | None,
+) -> float:
+    """Span of the shown frames plus the last frame's own display time (Qwen: frames / fps)."""
+    last = packets[shown[-1]]
+    if last.duration > 0:
+        tail = float(last.duration * time_base)
+    elif len(seconds) > 1:
+        gaps = np.diff(np.asarray(seconds))
+        tail = float(np.median(gaps[gaps > 0])) if np.any(gaps > 0) else 0.0
+    else:
+        tail = float(1 / rate) if rate else 0.0
+    return seconds[-1] + tail
+
+
+def _floor_even(n: float) -> int:
+    return math.floor(n / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _ceil_even(n: float) -> int:
+    return math.ceil(n / FRAME_FACTOR) * FRAME_FACTOR
+
+
+def _plan(timeline: _Timeline, params: VideoParams) -> _Plan:
+    """Choose which shown frames to keep, per strategy; all choices are by presentation time."""
+    total = len(timeline.shown)
+    if total == 0:
+        return _Plan([], params.fps)
+    duration = timeline.duration_s
+    cap = max(FRAME_FACTOR, _floor_even(params.max_frames))
+    last = timeline.seconds[-1]
+    if params.strategy == "fps":
+        # qwen-vl-utils smart_nframes: total / video_fps * fps == duration * fps.
+        raw = duration * params.fps
+        n = min(max(raw, _ceil_even(params.min_frames)), _floor_even(params.max_frames), total)
+        n = _floor_even(n)
+        if n < FRAME_FACTOR:
+            n = min(total, FRAME_FACTOR)
+        targets = _nearest(timeline.seconds, np.linspace(0.0, last, n))
+        return _Plan(targets, _rate(n, duration, params.fps))
+    if params.strategy == "interval":
+        count = math.floor(last / params.interval_s + 1e-9) + 1
+        if count <= cap:
+            times = np.arange(count) * params.interval_s
+            return _Plan(_nearest(timeline.seconds, times), 1.0 / params.interval_s)
+        targets = _nearest(timeline.seconds, np.linspace(0.0, last, cap))
+        return _Plan(targets, _rate(cap, duration, 1.0 / params.interval_s))
+    if params.strategy == "keyframes":
+        # Key frames come from the demuxer's flags, and only those packets reach the decoder.
+        # The decoder's skip_frame="NONKEY" is not relied on: FFmpeg's VP9 decoder ignores it
+        # (measured: every frame came out), while packet flags mean the same for every codec.
+        packets = timeline.packets
+        keys = [i for i, d in enumerate(timeline.shown) if packets[d].key]
+        if len(keys) > cap:
+            picks = np.linspace(0, len(keys) - 1, cap).round().astype(int)
+            keys = [keys[int(i)] for i in picks]
+        return _Plan(keys, _rate(len(keys), duration, params.fps))
+    raise ValueError(f"unknown video strategy {params.strategy!r}")
+
+
+def _rate(n: int, duration: float, fallback: float) -> float:
+    """Frames per second of the sample (Qwen: nframes / total * video_fps)."""
+    return n / duration if duration > 0 else fallback
+
+
+def _nearest(seconds: Sequence[float], targets: npt.NDArray[np.floating[Any]]) -> list[int]:
+    """Index of the frame whose time is nearest each target; a tie goes to the earlier frame."""
+    out = []
+    for t in targets.tolist():
+        j = bisect.bisect_left(seconds, t)
+        if j == len(seconds) or (j > 0 and t - seconds[j - 1] <= seconds[j] - t):
+            j -= 1
+        out.append(j)
+    return out
+
+
+def _runs(timeline: _Timeline, wanted: Sequence[int]) -> list[_Run]:
+    """Group the wanted frames into decode stretches, each starting at a key frame."""
+    packets = timeline.packets
+    keys = timeline.key_decode_idx
+    runs: list[_Run] = []
+    for w in wanted:
+        d = timeline.shown[w]
+        start = 0
+        if timeline.timed and keys:
+            k = bisect.bisect_right(keys, d) - 1
+            # An open-GOP leading picture is shown before its key frame but references the
+            # GOP before it, so decoding has to start one key frame earlier.
+            while k > 0 and packets[keys[k]].pts > packets[d].pts:
+                k -= 1
+            start = keys[k] if k >= 0 else 0
+        if runs and start <= runs[-1].end + 1:
+            runs[-1].end = max(runs[-1].end, d)
+            runs[-1].wanted.append(w)
+        else:
+            runs.append(_Run(start, d, [w]))
+    for run in runs:
+        run.wanted.sort()
+    return runs
+
+
+class _Decoder:
+    """Second pass: decode the planned runs and keep the wanted frames, resized and upright."""
+
+    def __init__(
+        self,
+        *,
+        container: InputContainer,
+        stream: VideoStream,
+        timeline: _Timeline,
+        params: VideoParams,
+        n_out: int,
+        stats: DecodeStats,
+    ) -> None:
+        self.container = container
+        self.stream = stream
+        self.timeline = timeline
+        self.params = params
+        self.n_out = n_out
+        self.stats = stats
+        self.original_size: tuple[int, int] | None = None
+        self._target: tuple[int, int] | None = None  # (height, width), upright
+        self._by_key = {(p.pts, p.dts): i for i, p in enumerate(timeline.packets)}
+        self._seekable = timeline.timed and len(self._by_key) == len(timeline.packets)
+        self._captured: dict[int, tuple[npt.NDArray[np.uint8], float]] = {}
+
+    def decode(self, runs: Sequence[_Run]) -> dict[int, tuple[npt.NDArray[np.uint8], float]]:
+        try:
+            self._decode(runs)
+        except av.error.FFmpegError as exc:
+            raise UndecodableVideo(f"corrupt video data: {exc}") from None
+        return self._captured
+
+    def _decode(self, runs: Sequence[_Run]) -> None:
+        packets = self._packets()
+        position = 0  # decode index of the next packet `packets` yields
+        for run in runs:
+            self.stats.runs += 1
+            if self._seekable and run.start - position >= SEEK_MIN_PACKETS:
+                packets, position = self._seek(run.start)
+            matcher = _RunMatcher(self, run)
+            for packet in packets:
+                index = position
+                position += 1
+                if index < run.start:
+                    continue
+                self.stats.decoded += 1
+                for frame in self.stream.codec_context.decode(packet):
+                    matcher.offer(frame)
+                if index >= run.end:
+                    break
+            # Drain so the run's last frames come out without feeding packets we do not need,
+            # then reset the decoder for the next run's key frame.
+            for frame in self.stream.codec_context.decode(None):
+                matcher.offer(frame)
+            self.stream.codec_context.flush_buffers()
+            matcher.finish()
+
+    def _packets(self) -> Iterator[av.Packet[VideoStream]]:
+        return (p for p in self.container.demux(self.stream) if p.size)
+
+    def _seek(self, start: int) -> tuple[Iterator[av.Packet[VideoStream]], int]:
+        """Seek to the key frame at decode index `start`; return packets from there and its index.
+
+        The demuxer may land on an earlier key frame (fine: the gap is demuxed and dropped) or,
+        with a poor index, a later one; then it seeks back to the very first packet and stops
+        seeking, which is slow but still exact.
+        """
+        key = self.timeline.packets[start]
+        landed = self._seek_to(min(x for x in (key.pts, key.dts) if x is not None))
+        if landed is not None and landed[1] <= start:
+            return landed
+        self._seekable = False
+        first = self.timeline.packets[0]
+        landed = self._seek_to(min(x for x in (first.pts, first.dts) if x is not None))
+        if landed is None or landed[1] != 0:
+            raise UndecodableVideo("the container cannot seek back to its first frame")
+        return landed
+
+    def _seek_to(self, stamp: int) -> tuple[Iterator[av.Packet[VideoStream]], int] | None:
+        self.stats.seeks += 1
+        self.container.seek(stamp, backward=True, any_frame=False, stream=self.stream)
+        packets = self._packets()
+        first = next(packets, None)
+        if first is None:
+            return None
+        pts = first.pts if first.pts is not None else first.dts
+        index = None if pts is None else self._by_key.get((pts, first.dts))
+        if index is None:
+            return None
+        return _prepend(first, packets), index
+
+    def capture(self, shown_index: int, frame: VideoFrame, seconds: float) -> None:
+        if shown_index in self._captured:
+            return
+        self._captured[shown_index] = (self._convert(frame), seconds)
+
+    def _convert(self, frame: VideoFrame) -> npt.NDArray[np.uint8]:
+        _check_source_size(frame.width, frame.height, self.params)
+        ops = _orientation(frame)
+        swap = any(op in _SWAPS for op in ops)
+        upright = (frame.height, frame.width) if not swap else (frame.width, frame.height)
+        if self._target is None:
+            self.original_size = (upright[1], upright[0])
+            self._target = smart_resize(
+                upright[0],
+                upright[1],
+                factor=IMAGE_FACTOR,
+                min_pixels=self.params.min_pixels,
+                max_pixels=frame_max_pixels(self.params, self.n_out),
+                max_ratio=self.params.max_ratio,
+            )
+        height, width = self._target
+        image = Image.fromarray(np.asarray(frame.to_ndarray(format="rgb24"), dtype=np.uint8))
+        # Resize in the coded orientation, then transpose: same pixels, less work on the rotate.
+        size = (height, width) if swap else (width, height)
+        if image.size != size:
+            image = image.resize(size, Image.Resampling.BICUBIC)
+        for op in ops:
+            image = image.transpose(op)
+        return np.asarray(image, dtype=np.uint8)
+
+
+def frame_max_pixels(params: VideoParams, n_frames: int) -> int:
+    """Per-frame pixel cap: the total budget shared across frames (qwen-vl-utils fetch_video)."""
+    share = params.total_pixels / max(n_frames, 1) * FRAME_FACTOR
+    return max(int(min(params.max_pixels, share)), int(params.min_pixels * 1.05))
+
+
+class _RunMatcher:
+    """Assign decoded frames of one run to the wanted frames, by presentation timestamp.
+
+    Frames leave the decoder in presentation order. A wanted frame takes the decoded frame with
+    its exact timestamp; if the decoder never produces that timestamp (a dropped or re-timed
+    frame), the nearest decoded neighbour stands in, so one bad frame does not fail the video.
+    """
+
+    def __init__(self, decoder: _Decoder, run: _Run) -> None:
+        self.decoder = decoder
+        self.timeline = decoder.timeline
+        self.pending = list(run.wanted)
+        packets = self.timeline.packets
+        self.floor = packets[run.start].pts if self.timeline.timed else -1
+        self.prev: tuple[VideoFrame, int] | None = None
+        self.ordinal = 0
+
+    def _pts(self, w: int) -> int:
+        return self.timeline.packets[self.timeline.shown[w]].pts
+
+    def _seconds_of(self, pts: int) -> float:
+        origin = self.timeline.packets[self.timeline.shown[0]].pts
+        return float((pts - origin) * self.timeline.time_base)
+
+    def offer(self, frame: VideoFrame) -> None:
+        if self.timeline.timed:
+            pts = frame.pts
+            if pts is None or pts < self.floor:
+                return  # leading pictures of the start key frame, decoded without references
+        else:
+            pts = self.ordinal
+            self.ordinal += 1
+        while self.pending and self._pts(self.pending[0]) <= pts:
+            w = self.pending.pop(0)
+            want = self._pts(w)
+            use, use_pts = frame, pts
+            if want != pts and self.prev is not None and want - self.prev[1] <= pts - want:
+                use, use_pts = self.prev
+            self.decoder.capture(w, use, self._seconds_of(use_pts))
+        self.prev = (frame, pts)
+
+    def finish(self) -> None:
+        if self.prev is None:
+            return
+        frame, pts = self.prev
+        for w in self.pending:
+            self.decoder.capture(w, frame, self._seconds_of(pts))
+        self.pending.clear()
+
+
+def _prepend(
+    first: av.Packet[VideoStream], rest: Iterator[av.Packet[VideoStream]]
+) -> Iterator[av.Packet[VideoStream]]:
+    yield first
+    yield from rest
+
+
+_SWAPS = frozenset(
+    {_Transpose.ROTATE_90, _Transpose.ROTATE_270, _Transpose.TRANSPOSE, _Transpose.TRANSVERSE}
+)
+
+
+def _orientation(frame: VideoFrame) -> list[Image.Transpose]:
+    """Pillow transposes that show the frame upright, mirroring ffmpeg's own autorotate.
+
+    The display matrix (mp4 `tkhd`, carried to each frame as side data) is interpreted exactly
+    as fftools/ffmpeg_filter.c does, flips included. Angles that are not a multiple of 90° are
+    snapped to the nearest one: phones only write multiples of 90°.
+    """
+    side = frame.side_data.get("DISPLAYMATRIX")
+    if not isinstance(side, SideData):
+        return []
+    m = np.frombuffer(bytes(side), dtype=np.int32)
+    if m.size < 9:
+        return []
+    a, b, c, d = (float(x) / 65536.0 for x in (m[0], m[1], m[3], m[4]))
+    scale0, scale1 = math.hypot(a, c), math.hypot(b, d)
+    if scale0 == 0.0 or scale1 == 0.0:
+        return []
+    # av_display_rotation_get(), then fftools get_rotation().
+    theta = -round(-math.degrees(math.atan2(b / scale1, a / scale0)))
+    theta -= 360 * math.floor(theta / 360 + 0.9 / 360)
+    theta = (round(theta / 90) * 90) % 360
+    if theta == 90:
+        return [_Transpose.TRANSPOSE if m[3] > 0 else _Transpose.ROTATE_270]
+    if theta == 180:
+        ops = []
+        if m[0] < 0:
+            ops.append(_Transpose.FLIP_LEFT_RIGHT)
+        if m[4] < 0:
+            ops.append(_Transpose.FLIP_TOP_BOTTOM)
+        return ops
+    if theta == 270:
+        return [_Transpose.TRANSVERSE if m[3] < 0 else _Transpose.ROTATE_90]
+    return [_Transpose.FLIP_TOP_BOTTOM] if m[4] < 0 else []

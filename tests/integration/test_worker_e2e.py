@@ -1,0 +1,195 @@
+"""End to end: real broker, real `mmworker run` process, real vLLM engine on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mmworker.broker import EmbeddedBroker
+from mmworker.samples import sample_image, sample_video
+from schemas import GenerationParams, Job, MediaRef
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    make_topics,
+    post,
+    wait_committed,
+)
+
+pytestmark = pytest.mark.integration
+
+MAX_BYTES = 2 * 1024 * 1024
+START_S = 240  # engine start on 2 CPU cores, first job included
+
+
+def _job(job_id: str, ref: MediaRef, **kw: object) -> tuple[str, bytes]:
+    job = Job(job_id=job_id, media=[ref], generation=GenerationParams(max_tokens=8), **kw)  # type: ignore[arg-type]
+    return job_id, job.model_dump_json().encode()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:  # type: ignore[type-arg]
+    workdir = tmp_path_factory.mktemp("e2e")
+    topics = make_topics(broker.bootstrap, "e2e")
+    group = f"e2e-{uuid.uuid4().hex[:6]}"
+    (workdir / "clip.mp4").write_bytes(sample_video(seconds=3))
+    (workdir / "huge.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
+    extra = {"preprocess.max_media_bytes": MAX_BYTES, "preprocess.allow_private_networks": True,
+             "metrics_port": _closed_port()}  # fmt: skip
+    with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
+        collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+        yield {"broker": broker, "dir": workdir, "topics": topics, "group": group,
+               "worker": worker, "collector": collector, "metrics_port": extra["metrics_port"]}  # fmt: skip
+        collector.close()
+
+
+def test_image_and_video_jobs_produce_results(env: dict) -> None:  # type: ignore[type-arg]
+    posted = Posted()
+    clip = env["dir"] / "clip.mp4"
+    jobs = [_job("img-1", MediaRef(data=sample_image(seed=1))),
+            _job("vid-1", MediaRef(uri=clip.as_uri()), metadata={"trace": "abc"})]  # fmt: skip
+    post(env["broker"].bootstrap, env["topics"]["input"], jobs, posted)
+    env["collector"].wait_for({"img-1", "vid-1"}, START_S, env["worker"])
+
+    topic, image = env["collector"].one("img-1")
+    assert topic == env["topics"]["output"], image
+    (facts,) = image["media"]
+    w, h = facts["resized_size"]
+    assert w % 28 == 0 and h % 28 == 0
+    assert image["usage"]["visual_tokens"] == (w // 28) * (h // 28) == facts["visual_tokens"]
+    assert image["usage"]["prompt_tokens"] > image["usage"]["visual_tokens"]
+    assert 1 <= image["usage"]["output_tokens"] <= 8
+    assert isinstance(image["text"], str)
+    assert (
+        image["timings"]["engine_s"] > 0
+        and image["timings"]["total_s"] >= image["timings"]["engine_s"]
+    )
+
+    topic, video = env["collector"].one("vid-1")
+    assert topic == env["topics"]["output"], video
+    (vf,) = video["media"]
+    assert vf["kind"] == "video" and vf["frames"] % 2 == 0 and vf["frames"] >= 4
+    stamps = vf["frame_timestamps"]
+    assert len(stamps) == vf["frames"] and stamps == sorted(stamps) and stamps[-1] <= 3.0
+    assert video["metadata"] == {"trace": "abc"}
+    assert video["source"]["topic"] == env["topics"]["input"]
+
+
+def test_sixty_mixed_jobs_with_six_bad_ones(env: dict) -> None:  # type: ignore[type-arg]
+    clip = env["dir"] / "clip.mp4"
+    good = []
+    for i in range(54):
+        ref = MediaRef(uri=clip.as_uri()) if i % 9 == 0 else MediaRef(data=sample_image(
+            width=160 + 16 * (i % 7), height=120 + 8 * (i % 5), seed=i))  # fmt: skip
+        good.append(_job(f"mix-{i}", ref))
+    truncated = sample_image(seed=99)[:700]
+    bad = [
+        ("bad-json", b'{"job_id": "bad-json", "media": [}'),
+        (
+            "bad-schema",
+            json.dumps({"job_id": "bad-schema", "media": [{"uri": "gopher://x"}]}).encode(),
+        ),
+        _job("bad-image", MediaRef(data=truncated)),
+        _job("bad-forbidden", MediaRef(uri="file:///etc/passwd")),
+        _job("bad-unreachable", MediaRef(uri=f"http://127.0.0.1:{_closed_port()}/a.jpg")),
+        _job("bad-huge", MediaRef(uri=(env["dir"] / "huge.bin").as_uri())),
+    ]
+    jobs = good[:20] + bad[:3] + good[20:40] + bad[3:] + good[40:]
+    posted = Posted()
+    post(env["broker"].bootstrap, env["topics"]["input"], jobs, posted)
+    ids = {key for key, _ in jobs}
+    env["collector"].wait_for(ids, 300, env["worker"])
+
+    expected = {"bad-json": "invalid_json", "bad-schema": "invalid_schema",
+                "bad-image": "undecodable_image", "bad-forbidden": "forbidden_uri",
+                "bad-unreachable": "fetch_failed", "bad-huge": "too_large"}  # fmt: skip
+    for job_id in ids:
+        topic, doc = env["collector"].one(job_id)  # exactly one record per job
+        if job_id in expected:
+            assert topic == env["topics"]["dlq"], doc
+            assert doc["code"] == expected[job_id], doc
+            assert doc["message"]
+        else:
+            assert topic == env["topics"]["output"], doc
+    assert env["collector"].one("bad-unreachable")[1]["attempts"] == 2  # retried once
+    assert env["collector"].one("bad-unreachable")[1]["retryable"] is True
+    assert env["collector"].one("bad-forbidden")[1]["payload"]  # original kept for replay
+
+    ends = posted.ends()
+    got = wait_committed(env["broker"].bootstrap, env["group"], env["topics"]["input"], ends)
+    for partition, end in ends.items():
+        assert got[partition] is not None and got[partition] >= end, (got, ends)
+
+
+def test_repeated_video_is_a_cache_hit_with_counters(env: dict) -> None:  # type: ignore[type-arg]
+    clip = env["dir"] / "clip2.mp4"
+    clip.write_bytes(sample_video(seconds=2, width=256, height=192))
+    posted = Posted()
+    post(
+        env["broker"].bootstrap,
+        env["topics"]["input"],
+        [_job("rep-1", MediaRef(uri=clip.as_uri()))],
+        posted,
+    )
+    env["collector"].wait_for({"rep-1"}, 120, env["worker"])
+    post(
+        env["broker"].bootstrap,
+        env["topics"]["input"],
+        [_job("rep-2", MediaRef(uri=clip.as_uri()))],
+        posted,
+    )
+    env["collector"].wait_for({"rep-2"}, 120, env["worker"])
+    first, second = env["collector"].one("rep-1")[1], env["collector"].one("rep-2")[1]
+    assert first["cache_hit"] is False and second["cache_hit"] is True
+    assert second["media"][0]["frame_timestamps"] == first["media"][0]["frame_timestamps"]
+    assert second["timings"]["preprocess_s"] < first["timings"]["preprocess_s"]
+    metrics = (
+        urllib.request.urlopen(f"http://127.0.0.1:{env['metrics_port']}/metrics").read().decode()
+    )
+    hits = [
+        ln
+        for ln in metrics.splitlines()
+        if ln.startswith('mmworker_feature_cache_total{result="hit"}')
+    ]
+    assert hits and float(hits[0].split()[-1]) >= 1
+
+
+def test_interop_with_librdkafka_client(env: dict) -> None:  # type: ignore[type-arg]
+    confluent_kafka = pytest.importorskip("confluent_kafka")
+    bootstrap = env["broker"].bootstrap
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
+    key, value = _job("rdkafka-1", MediaRef(data=sample_image(seed=5)))
+    producer.produce(env["topics"]["input"], key=key.encode(), value=value)
+    assert producer.flush(30) == 0
+    consumer = confluent_kafka.Consumer({
+        "bootstrap.servers": bootstrap, "group.id": f"rd-{uuid.uuid4().hex[:6]}",
+        "auto.offset.reset": "earliest", "enable.auto.commit": False,
+    })  # fmt: skip
+    consumer.subscribe([env["topics"]["output"]])
+    found = None
+    try:
+        for _ in range(240):
+            msg = consumer.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            if msg.key() == b"rdkafka-1":
+                found = json.loads(msg.value())
+                break
+    finally:
+        consumer.close()
+    assert found is not None, env["worker"].log()
+    assert found["job_id"] == "rdkafka-1" and found["usage"]["output_tokens"] >= 1
