@@ -75,3 +75,14 @@ def test_reference_lists_every_setting_with_its_env_var() -> None:
     assert "`MMWORKER_ENGINE__GPU_MEMORY_UTILIZATION`" in ref
     assert "`MMWORKER_LIMITS__MAX_IN_FLIGHT`" in ref
     assert ref.count("\n") > 50
+
+
+def test_deploy_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Path(__file__).parents[2] / "deploy" / "mmworker.example.toml"
+    monkeypatch.setenv("MMWORKER_KAFKA__SASL_PASSWORD", "from-a-secret")
+    cfg = load_config(example)
+    assert cfg.kafka.sasl_mechanism == "SCRAM-SHA-512"
+    assert cfg.kafka.sasl_password is not None
+    assert cfg.kafka.sasl_password.get_secret_value() == "from-a-secret"
+    assert cfg.engine.limit_mm_per_prompt == {"image": 4, "video": 1}
+    assert cfg.preprocess.allowed_roots == (Path("/data/media"),)
