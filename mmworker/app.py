@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 def make_cache(cfg: WorkerConfig) -> FeatureCache:
     if not cfg.cache.enabled:
         return NullFeatureCache()
-    return DiskFeatureCache(cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level)
+    return DiskFeatureCache(
+        cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level
+    )
 
 
 def model_cache_dir() -> Path:

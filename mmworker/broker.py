@@ -58,7 +58,7 @@ class EmbeddedBroker:
         self.bootstrap = f"127.0.0.1:{self.port}"
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the broker
 
     def start(self) -> EmbeddedBroker:
         url = f"tcp://{self.bootstrap}"
@@ -74,13 +74,16 @@ class EmbeddedBroker:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise BrokerError(f"tansu exited with {self._proc.returncode}: {self.output()}")
-            with contextlib.suppress(OSError), socket.create_connection(
-                ("127.0.0.1", self.port), timeout=0.2
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
             ):
                 return self
             time.sleep(0.02)
         self.stop()
-        raise BrokerError(f"tansu did not listen on {self.bootstrap} within {self._start_timeout_s}s")
+        raise BrokerError(
+            f"tansu did not listen on {self.bootstrap} within {self._start_timeout_s}s"
+        )
 
     def output(self) -> str:
         self._log.seek(0)
@@ -105,7 +108,10 @@ class EmbeddedBroker:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
         self._log.close()

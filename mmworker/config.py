@@ -233,11 +233,11 @@ class WorkerConfig(BaseSettings):
         env_prefix="MMWORKER_", env_nested_delimiter="__", frozen=True, extra="forbid"
     )
 
-    kafka: KafkaConfig = Field(default_factory=KafkaConfig)  # type: ignore[arg-type]
-    engine: EngineConfig = Field(default_factory=EngineConfig)  # type: ignore[arg-type]
-    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)  # type: ignore[arg-type]
-    cache: CacheConfig = Field(default_factory=CacheConfig)  # type: ignore[arg-type]
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)  # type: ignore[arg-type]
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     worker_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Named in every result and failure",

@@ -80,9 +80,11 @@ def _jobs(workdir: Path) -> list[tuple[str, bytes]]:
 def run_demo(keep_going: bool = False) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mmworker-demo-"))
     print("mmworker demo: the model has RANDOM WEIGHTS (built here, no download), so captions are")
-    print("gibberish; everything else — broker, engine, preprocessing, cache — is the real thing.\n")
+    print(
+        "gibberish; everything else — broker, engine, preprocessing, cache — is the real thing.\n"
+    )
     with EmbeddedBroker() as broker:
-        kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)  # type: ignore[call-arg]
+        kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
         ensure_topics(kafka, {TOPICS["input"]: 3, TOPICS["output"]: 3, TOPICS["dlq"]: 1})
         print(f"broker (Tansu, embedded) on {broker.bootstrap}; starting the worker ...")
         worker = subprocess.Popen(worker_command(broker.bootstrap, workdir))

@@ -159,7 +159,7 @@ class Engine:
             raise
         except (ValueError, TypeError) as exc:
             raise RequestFailed(f"engine rejected the request: {exc}", retryable=False) from exc
-        except Exception as exc:  # noqa: BLE001 - classified, never swallowed
+        except Exception as exc:
             if _is_client_error(exc):
                 raise RequestFailed(f"engine rejected the request: {exc}", retryable=False) from exc
             raise RequestFailed(f"engine request failed: {_describe(exc)}") from exc

@@ -78,7 +78,10 @@ class JobRunner:
             self._metrics.jobs.labels("failure").inc()
             self._metrics.failures.labels(code.value).inc()
             job_id = getattr(error, "job_id", None)
-            failure = build_failure(code, message, retryable, attempts, raw, ctx, job, job_id)
+            failure = build_failure(
+                code=code, message=message, retryable=retryable, attempts=attempts, raw=raw,
+                ctx=ctx, job=job, job_id=job_id,
+            )  # fmt: skip
             src = ctx.source
             key = failure.job_id or ctx.record_key or f"{src.topic}/{src.partition}/{src.offset}"
             return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
@@ -92,11 +95,16 @@ class JobRunner:
         instruction = job.instruction(list(kinds))
         self._check_budget(job, media, instruction, kinds)
         items = [EngineItem(m.prepared, m.sha256) for m in media]
-        request_id = f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
+        request_id = (
+            f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
+        )
         out = await self._engine.generate(request_id, instruction, items, job.generation)
         self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
         self._metrics.output_tokens.inc(out.output_tokens)
-        return build_result(job, media, out, ctx, queue_wait_s, time.perf_counter() - t0)
+        return build_result(
+            job=job, media=media, out=out, ctx=ctx, queue_wait_s=queue_wait_s,
+            total_s=time.perf_counter() - t0,
+        )  # fmt: skip
 
     def _observe_media(self, media: list[PreparedMedia]) -> None:
         for m in media:

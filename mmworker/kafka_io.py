@@ -100,7 +100,9 @@ def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> 
 
 
 def commit_payload(offsets: dict[TopicPartition, int]) -> dict[KafkaTP, OffsetAndMetadata]:
-    return {KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()}
+    return {
+        KafkaTP(tp.topic, tp.partition): OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()
+    }
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -24,7 +24,9 @@ class Metrics:
             "mmworker_stage_seconds", "Time per stage", ["stage"], buckets=_STAGE_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.cache = Counter("mmworker_feature_cache", "Feature cache lookups", ["result"], registry=r)
+        self.cache = Counter(
+            "mmworker_feature_cache", "Feature cache lookups", ["result"], registry=r
+        )
         self.engine_busy_seconds = Gauge(
             "mmworker_engine_busy_seconds", "Wall time with at least one request in the engine",
             registry=r,

@@ -65,9 +65,11 @@ class OffsetTracker:
     def to_commit(self, tps: list[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Offsets that advanced since the last commit (the caller commits, then confirms)."""
         with self._lock:
-            items = self._parts.items() if tps is None else [
-                (tp, self._parts[tp]) for tp in tps if tp in self._parts
-            ]
+            items = (
+                self._parts.items()
+                if tps is None
+                else [(tp, self._parts[tp]) for tp in tps if tp in self._parts]
+            )
             return {
                 tp: s.next_commit
                 for tp, s in items

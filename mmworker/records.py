@@ -29,13 +29,13 @@ def media_facts(media: PreparedMedia) -> MediaFacts:
         "cache_hit": media.cache_hit,
     }
     if isinstance(p, PreparedImage):
-        return MediaFacts(kind="image", **common)  # type: ignore[arg-type]
+        return MediaFacts(kind="image", **common)
     return MediaFacts(
         kind="video",
         frames=int(p.frames.shape[0]),
         frame_timestamps=[round(t, 3) for t in p.timestamps],
         duration_s=p.duration_s,
-        **common,  # type: ignore[arg-type]
+        **common,
     )
 
 
@@ -52,6 +52,7 @@ class Context:
 
 
 def build_result(
+    *,
     job: Job,
     media: list[PreparedMedia],
     out: EngineOutput,
@@ -86,6 +87,7 @@ def build_result(
 
 
 def build_failure(
+    *,
     code: ErrorCode,
     message: str,
     retryable: bool,

@@ -24,7 +24,9 @@ def sample_image(width: int = 640, height: int = 480, seed: int = 0, fmt: str = 
     draw.rectangle((0, int(height * 0.7), width, height), fill=(60, 140, 60))
     for _ in range(5):
         x0, y0 = int(rng.random() * width), int(height * (0.5 + 0.3 * rng.random()))
-        draw.rectangle((x0, y0, x0 + width // 10, y0 + height // 8), fill=tuple(rng.integers(0, 255, 3)))
+        draw.rectangle(
+            (x0, y0, x0 + width // 10, y0 + height // 8), fill=tuple(rng.integers(0, 255, 3))
+        )
     out = io.BytesIO()
     img.save(out, format=fmt, quality=90)
     return out.getvalue()
@@ -37,6 +39,7 @@ def sample_video(
     out = io.BytesIO()
     with av.open(out, mode="w", format="mp4") as container:
         stream = container.add_stream(codec, rate=fps)
+        assert isinstance(stream, av.VideoStream)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.time_base = Fraction(1, fps)
         yy, xx = np.mgrid[0:height, 0:width]

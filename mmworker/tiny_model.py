@@ -16,7 +16,9 @@ Everything is derived from ``seed``: two builds with the same seed are byte-iden
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -83,16 +85,18 @@ _IMAGE_MAX_PIXELS = 16384 * 28 * 28
 _VIDEO_MIN_PIXELS = 128 * 28 * 28
 _VIDEO_MAX_PIXELS = 768 * 28 * 28
 
-_CAPTION_WORDS = (
-    "a an the of in on at with and near under over behind beside while this that there is are "
-    "photo image picture video frame scene shot view close up wide angle showing shows depicts "
-    "red green blue yellow white black gray brown orange purple pink dark bright light colorful "
-    "small large tall short old young wooden metal glass stone plastic empty busy quiet sunny "
-    "cat dog bird horse cow person people man woman child children car bus truck bicycle boat "
-    "tree trees flower grass house building street road bridge river lake beach mountain sky "
-    "cloud clouds table chair window door room kitchen city park field forest snow rain night "
-    "sitting standing walking running playing holding looking eating riding parked flying"
-).split()
+_CAPTION_TEXT = (
+    "a an the of in on at with and near under over behind beside while this that there is "
+    "are photo image picture video frame scene shot view close up wide angle showing shows "
+    "depicts red green blue yellow white black gray brown orange purple pink dark bright "
+    "light colorful small large tall short old young wooden metal glass stone plastic empty "
+    "busy quiet sunny cat dog bird horse cow person people man woman child children car bus "
+    "truck bicycle boat tree trees flower grass house building street road bridge river lake "
+    "beach mountain sky cloud clouds table chair window door room kitchen city park field "
+    "forest snow rain night sitting standing walking running playing holding looking eating "
+    "riding parked flying"
+)
+_CAPTION_WORDS = tuple(_CAPTION_TEXT.split())
 _TEMPLATE_LINES = (
     "system\nYou are a helpful assistant.",
     "user\nDescribe this image.",
@@ -153,8 +157,12 @@ def _train_tokenizer(seed: int) -> Any:
         special_tokens=[],
     )
     tokenizer.train_from_iterator(_training_text(seed), trainer=trainer)
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in _PLAIN_ADDED_TOKENS])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in _PLAIN_ADDED_TOKENS]
+    )
     return tokenizer
 
 
@@ -257,7 +265,11 @@ def _model_config(arch: Literal["tiny", "3b"], ids: dict[str, int], vocab_size: 
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "max_position_embeddings": 32768,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [8, 12, 12],
+            },
             "max_window_layers": 2,
         }
         vision: dict[str, Any] = {
@@ -280,7 +292,11 @@ def _model_config(arch: Literal["tiny", "3b"], ids: dict[str, int], vocab_size: 
             "num_attention_heads": 16,
             "num_key_value_heads": 2,
             "max_position_embeddings": 128000,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e6,
+                "mrope_section": [16, 24, 24],
+            },
             "max_window_layers": 70,
         }
         vision = {
@@ -310,13 +326,13 @@ def _model_config(arch: Literal["tiny", "3b"], ids: dict[str, int], vocab_size: 
         "window_size": 112,
         "tokens_per_second": 2,
     }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=True,
+    kwargs: dict[str, Any] = {
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": True,
         **token_ids,
-        **text_ids,
-    )
+    }
+    config = Qwen2_5_VLConfig(**kwargs)
     config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     config.dtype = dtype
     return config
@@ -342,30 +358,58 @@ def build_tiny_model(out_dir: Path, arch: Literal["tiny", "3b"] = "tiny", seed: 
     """
     if arch not in ("tiny", "3b"):
         raise ValueError(f"arch must be 'tiny' or '3b', not {arch!r}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}-", dir=out_dir.parent) as tmp:
+        _write_model_files(Path(tmp), arch, seed)
+        _publish(Path(tmp), out_dir)
+    return out_dir
+
+
+def _publish(staging: Path, out_dir: Path) -> None:
+    """Move the finished files in, config.json last.
+
+    Callers (``mmworker.engine.resolve_model``) take an existing config.json to mean "complete",
+    so an interrupted build must never leave one behind next to missing weights.
+    """
+    out_dir.mkdir(exist_ok=True)
+    names = sorted(p.name for p in staging.iterdir())
+    names.sort(key=lambda n: n == "config.json")
+    for name in names:
+        os.replace(staging / name, out_dir / name)
+
+
+def _write_model_files(out_dir: Path, arch: Literal["tiny", "3b"], seed: int) -> None:
     import transformers
     from transformers import GenerationConfig
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_logging: Any = transformers.utils.logging  # untyped module: keep mypy's checks elsewhere
+    generation_config: Any = GenerationConfig
+
     tokenizer = _train_tokenizer(seed)
     ids = {t: tokenizer.token_to_id(t) for t in (*SPECIAL_TOKENS, *_PLAIN_ADDED_TOKENS)}
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     config = _model_config(arch, ids, vocab_size)
 
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # "print nothing": init/save chatter is noise here
+    # Silence init/save chatter and the "Writing model shards" bar: callers own the terminal.
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         if arch == "tiny":
             _write_weights(config, out_dir, seed)
         config.save_pretrained(out_dir)
-        GenerationConfig(
+        generation_config(
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
             pad_token_id=ids["<|endoftext|>"],
             do_sample=False,
         ).save_pretrained(out_dir)
     finally:
-        transformers.logging.set_verbosity(verbosity)
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(ids))
@@ -385,15 +429,17 @@ def build_tiny_model(out_dir: Path, arch: Literal["tiny", "3b"] = "tiny", seed: 
     (out_dir / "README.md").write_text(
         _README.format(name=name, arch=arch, seed=seed, what=what, vocab=vocab_size)
     )
-    return out_dir
+    for path in out_dir.iterdir():
+        path.chmod(0o644)  # save_pretrained leaves the weights 0600; the dir may be shared
 
 
 def _write_weights(config: Any, out_dir: Path, seed: int) -> None:
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    model_class: Any = Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     # save_pretrained wrote these too; the caller writes the canonical ones.
     for stale in ("config.json", "generation_config.json"):

@@ -113,8 +113,9 @@ def tail(args: argparse.Namespace) -> int:
 def summarise(topic: str, doc: dict[str, object]) -> str:
     if "code" in doc:
         return f"[{topic}] FAILED {doc.get('job_id')}: {doc['code']}: {doc.get('message')}"
-    media = doc.get("media") or []
-    kinds = ",".join(str(m.get("kind")) for m in media if isinstance(m, dict))  # type: ignore[union-attr]
+    media = doc.get("media")
+    items = media if isinstance(media, list) else []
+    kinds = ",".join(str(m.get("kind")) for m in items if isinstance(m, dict))
     hit = " (cache hit)" if doc.get("cache_hit") else ""
     text = str(doc.get("text"))
     shown = repr(text[:60] + ("…" if len(text) > 60 else ""))

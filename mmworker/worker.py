@@ -103,12 +103,14 @@ class Worker:
                 await send(self._producer, outcome.topic, outcome.key, value, outcome.kind)
                 return
             except KafkaError as exc:
-                log.warning("publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay)
+                log.warning(
+                    "publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
     async def _apply_backpressure(self) -> None:
-        """Pause every partition while full; resume at half, so polls still keep group membership."""
+        """Pause all partitions while full, resume at half: polling goes on, keeping membership."""
         limit = self._cfg.limits.max_in_flight
         held = self.tracker.in_flight()
         if not self._paused and held >= limit:

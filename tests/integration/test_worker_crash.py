@@ -31,7 +31,9 @@ def _jobs(prefix: str, n: int, clip: Path, tokens: int = 48) -> list[tuple[str, 
     out = []
     for i in range(n):
         ref = MediaRef(uri=clip.as_uri()) if i % 10 == 0 else MediaRef(data=sample_image(seed=i))
-        job = Job(job_id=f"{prefix}-{i}", media=[ref], generation=GenerationParams(max_tokens=tokens))
+        job = Job(
+            job_id=f"{prefix}-{i}", media=[ref], generation=GenerationParams(max_tokens=tokens)
+        )
         out.append((job.job_id, job.model_dump_json().encode()))
     return out
 
@@ -67,7 +69,9 @@ def test_sigkill_then_restart_loses_nothing_and_sigterm_drains(
         collector.pump()
         copies = Counter({job_id: len(recs) for job_id, recs in collector.by_job.items()})
         duplicates = sum(n - 1 for n in copies.values())
-        print(f"answered before kill: {answered_before_kill}; duplicates after restart: {duplicates}")
+        print(
+            f"answered before kill: {answered_before_kill}; duplicates after restart: {duplicates}"
+        )
         assert set(copies) == ids  # nothing missing
         # Redelivery is bounded by what the victim held uncommitted: its in-flight limit plus
         # what finished after its last commit (one commit interval).
@@ -77,7 +81,12 @@ def test_sigkill_then_restart_loses_nothing_and_sigterm_drains(
 
         # 3. The video seen before the crash is a feature-cache hit in the new process.
         again = Job(job_id="video-again", media=[MediaRef(uri=clip.as_uri())])
-        post(broker.bootstrap, topics["input"], [(again.job_id, again.model_dump_json().encode())], posted)
+        post(
+            broker.bootstrap,
+            topics["input"],
+            [(again.job_id, again.model_dump_json().encode())],
+            posted,
+        )
         collector.wait_for({"video-again"}, 120, successor)
         assert collector.one("video-again")[1]["cache_hit"] is True
 

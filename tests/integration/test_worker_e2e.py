@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -52,8 +50,10 @@ def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Ite
              "metrics_port": _closed_port()}  # fmt: skip
     with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
         collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
-        yield {"broker": broker, "dir": workdir, "topics": topics, "group": group,
-               "worker": worker, "collector": collector, "metrics_port": extra["metrics_port"]}  # fmt: skip
+        yield {
+            "broker": broker, "dir": workdir, "topics": topics, "group": group, "worker": worker,
+            "collector": collector, "metrics_port": extra["metrics_port"],
+        }  # fmt: skip
         collector.close()
 
 
