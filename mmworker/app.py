@@ -61,6 +61,7 @@ async def _serve(cfg: WorkerConfig, create_topics: int | None) -> int:
                               k.dead_letter_topic: 1})  # fmt: skip
         engine = Engine(cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()))
         engine.start()
+        metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         for f in warming:
             f.result()
         media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool)

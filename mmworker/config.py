@@ -36,12 +36,16 @@ class _Section(BaseModel):
 
 class KafkaConfig(_Section):
     bootstrap_servers: str = Field("localhost:9092", description="Comma-separated host:port list")
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How to reach the brokers"
+    )
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
         None, description="Required with SASL_* protocols"
     )
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_username: str | None = Field(None, description="SASL user")
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password; prefer the environment variable to a file"
+    )
     ssl_cafile: Path | None = Field(None, description="CA bundle to verify the brokers")
     ssl_certfile: Path | None = Field(None, description="Client certificate (mutual TLS)")
     ssl_keyfile: Path | None = Field(None, description="Client private key (mutual TLS)")
@@ -57,10 +61,16 @@ class KafkaConfig(_Section):
         600_000, ge=10_000, description="Bound on time between polls before the group evicts us"
     )
     max_poll_records: int = Field(64, ge=1, description="Records taken per poll")
-    fetch_max_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    max_partition_fetch_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    fetch_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="Most bytes one fetch returns"
+    )
+    max_partition_fetch_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Most bytes per partition per fetch (inline media)"
+    )
     max_request_size: int = Field(8 * 1024 * 1024, ge=1024, description="Producer request cap")
-    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None, description="Producer compression of results and failures"
+    )
     linger_ms: int = Field(5, ge=0, description="Producer batching delay")
     commit_interval_s: float = Field(1.0, gt=0, description="How often done offsets are committed")
 
@@ -112,9 +122,11 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(16384, ge=256, description="Context length")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per engine step")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step")
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split across")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (layers split)")
+    data_parallel_size: int = Field(
+        1, ge=1, description="Model replicas inside this worker, fed by vLLM"
+    )
     quantization: str | None = Field(None, description="e.g. awq, gptq, fp8")
     dtype: str = Field("auto", description="auto, bfloat16, float16, float32")
     enforce_eager: bool | None = Field(
@@ -127,7 +139,7 @@ class EngineConfig(_Section):
         "otherwise claim a fraction of host RAM)",
     )
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
-    seed: int = 0
+    seed: int = Field(0, description="Engine seed (sampling with temperature > 0)")
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
     )
@@ -137,19 +149,31 @@ class EngineConfig(_Section):
 
 
 class PreprocessConfig(_Section):
-    image_min_pixels: int = Field(4 * 28 * 28, ge=28 * 28)
+    image_min_pixels: int = Field(
+        4 * 28 * 28, ge=28 * 28, description="Smaller images are upscaled to this"
+    )
     image_max_pixels: int = Field(
         1280 * 28 * 28, ge=28 * 28, description="Default cap: 1,280 visual tokens per image"
     )
-    max_aspect_ratio: float = Field(200.0, gt=1)
+    max_aspect_ratio: float = Field(
+        200.0, gt=1, description="Longer/shorter side above this is refused (Qwen's limit)"
+    )
     max_source_pixels: int = Field(
         178_956_970, ge=1, description="Refuse to decode larger images (decompression bombs)"
     )
-    video_strategy: Literal["fps", "interval", "keyframes"] = "fps"
-    video_fps: float = Field(2.0, gt=0)
-    video_interval_s: float = Field(5.0, gt=0)
-    video_max_frames: int = Field(64, ge=2, le=768)
-    video_min_pixels: int = Field(128 * 28 * 28, ge=28 * 28)
+    video_strategy: Literal["fps", "interval", "keyframes"] = Field(
+        "fps", description="fps: Qwen's rule; interval: one frame every N s; keyframes: I-frames"
+    )
+    video_fps: float = Field(2.0, gt=0, description="Sampling rate for the fps strategy")
+    video_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between frames for the interval strategy"
+    )
+    video_max_frames: int = Field(
+        64, ge=2, le=768, description="Most frames taken from one video (even)"
+    )
+    video_min_pixels: int = Field(
+        128 * 28 * 28, ge=28 * 28, description="Per-frame floor (Qwen's VIDEO_MIN_PIXELS)"
+    )
     video_max_pixels: int = Field(448 * 448, ge=28 * 28, description="Per frame")
     video_total_pixels: int = Field(
         8192 * 2 * 28 * 28, ge=28 * 28, description="Across frames: caps a video at 8,192 tokens"
@@ -160,8 +184,10 @@ class PreprocessConfig(_Section):
     allow_private_networks: bool = Field(
         False, description="Let http(s) URIs reach loopback/private/link-local addresses"
     )
-    max_media_bytes: int = Field(256 * 1024 * 1024, ge=1)
-    fetch_timeout_s: float = Field(30.0, gt=0)
+    max_media_bytes: int = Field(
+        256 * 1024 * 1024, ge=1, description="Larger media fail with too_large"
+    )
+    fetch_timeout_s: float = Field(30.0, gt=0, description="Whole-download deadline per media item")
     workers: int = Field(
         default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
         ge=1,
@@ -215,7 +241,7 @@ class CacheConfig(_Section):
         description="Local directory of the feature cache",
     )
     max_bytes: int = Field(10 * 1024**3, ge=1024 * 1024, description="Byte budget (LRU)")
-    zstd_level: int = Field(3, ge=1, le=22)
+    zstd_level: int = Field(3, ge=1, le=22, description="zstd level of cache entries")
 
 
 class LimitsConfig(_Section):
@@ -245,7 +271,9 @@ class WorkerConfig(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics here; None disables"
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Worker log level"
+    )
 
     @classmethod
     def settings_customise_sources(

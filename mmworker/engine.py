@@ -187,6 +187,11 @@ class Engine:
             self.busy_s += time.monotonic() - self._busy_since
             self._busy_since = None
 
+    def busy_seconds(self) -> float:
+        """Wall time with at least one request in the engine, the current stretch included."""
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_s + running
+
     @property
     def dead(self) -> bool:
         return bool(self._llm is not None and getattr(self._llm, "errored", False))

@@ -86,3 +86,8 @@ def test_deploy_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.kafka.sasl_password.get_secret_value() == "from-a-secret"
     assert cfg.engine.limit_mm_per_prompt == {"image": 4, "video": 1}
     assert cfg.preprocess.allowed_roots == (Path("/data/media"),)
+
+
+def test_every_setting_is_described() -> None:
+    undocumented = [ln.split("|")[1] for ln in render_reference().splitlines() if "|  |" in ln]
+    assert undocumented == []
