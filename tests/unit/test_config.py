@@ -91,3 +91,8 @@ def test_deploy_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_setting_is_described() -> None:
     undocumented = [ln.split("|")[1] for ln in render_reference().splitlines() if "|  |" in ln]
     assert undocumented == []
+
+
+def test_readme_reference_is_current() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert render_reference() in readme, "README config reference is stale: paste the output"
