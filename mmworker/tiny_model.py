@@ -8,7 +8,8 @@ same chat template and image/video processors, only the widths, depths and vocab
 ``arch="3b"`` writes the real 3B architecture (FIELD-NOTES §4) with the tiny tokenizer and no
 weights, for vLLM's ``load_format="dummy"`` benchmarks on a GPU host that cannot download either.
 Its vocabulary stays 151936 (the embedding shape is part of the cost being measured), so generated
-ids can exceed the tiny tokenizer's range: benchmark with ``SamplingParams(detokenize=False)``.
+ids can exceed the tiny tokenizer's range; vLLM 0.32 decodes those to empty text (checked on CPU
+with ``load_format="dummy"``), and ``SamplingParams(detokenize=False)`` skips that work.
 
 Everything is derived from ``seed``: two builds with the same seed are byte-identical.
 """
@@ -422,8 +423,8 @@ def _write_model_files(out_dir: Path, arch: Literal["tiny", "3b"], seed: int) ->
         f"Random weights from torch.manual_seed({seed}), float32."
         if arch == "tiny"
         else "The Qwen2.5-VL-3B architecture with NO weights: load it with vLLM's "
-        'load_format="dummy". Its vocab_size (151936) exceeds the tokenizer\'s, so generate with '
-        "detokenize=False."
+        'load_format="dummy". Its vocab_size (151936) exceeds the tokenizer\'s: ids beyond it '
+        "decode to empty text."
     )
     name = "tiny-qwen2.5-vl" if arch == "tiny" else "qwen2.5-vl-3b-architecture"
     (out_dir / "README.md").write_text(
