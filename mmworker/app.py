@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache
-from mmworker.config import WorkerConfig
+from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_topics
@@ -32,8 +31,7 @@ def make_cache(cfg: WorkerConfig) -> FeatureCache:
 
 def model_cache_dir() -> Path:
     """Where the `tiny` test model is built once per machine."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "mmworker" / "models"
+    return cache_home() / "mmworker" / "models"
 
 
 def run_worker(cfg: WorkerConfig, create_topics: int | None = None) -> int:

@@ -30,6 +30,10 @@ _TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=N
 TINY_MODEL = "tiny"
 
 
+def cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -192,6 +196,7 @@ class PreprocessConfig(_Section):
         default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
         ge=1,
         description="Preprocessing processes (decode and resize run outside the GIL)",
+        json_schema_extra={"default_doc": "CPU cores − 1"},
     )
 
     def fetch_policy(self) -> FetchPolicy:
@@ -237,8 +242,9 @@ class PreprocessConfig(_Section):
 class CacheConfig(_Section):
     enabled: bool = Field(True, description="Persist prepared features across jobs and restarts")
     directory: Path = Field(
-        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmworker" / "features",
+        default_factory=lambda: cache_home() / "mmworker" / "features",
         description="Local directory of the feature cache",
+        json_schema_extra={"default_doc": "$XDG_CACHE_HOME/mmworker/features"},
     )
     max_bytes: int = Field(10 * 1024**3, ge=1024 * 1024, description="Byte budget (LRU)")
     zstd_level: int = Field(3, ge=1, le=22, description="zstd level of cache entries")
@@ -267,6 +273,7 @@ class WorkerConfig(BaseSettings):
     worker_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Named in every result and failure",
+        json_schema_extra={"default_doc": "hostname-pid"},
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics here; None disables"

@@ -11,6 +11,9 @@ from mmworker.config import WorkerConfig
 
 
 def _default(info: FieldInfo) -> str:
+    extra = info.json_schema_extra
+    if isinstance(extra, dict) and "default_doc" in extra:
+        return f"{extra['default_doc']} (computed)"
     if info.default_factory is not None:
         try:
             value: Any = info.default_factory()  # type: ignore[call-arg]
