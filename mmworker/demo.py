@@ -6,7 +6,9 @@ video jobs (plus two bad ones) → captions and failures printed → SIGTERM →
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -87,12 +89,15 @@ def run_demo(keep_going: bool = False) -> int:
         kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
         ensure_topics(kafka, {TOPICS["input"]: 3, TOPICS["output"]: 3, TOPICS["dlq"]: 1})
         print(f"broker (Tansu, embedded) on {broker.bootstrap}; starting the worker ...")
-        worker = subprocess.Popen(worker_command(broker.bootstrap, workdir))
+        # Own process group, so an abort below also ends the engine core the worker started.
+        worker = subprocess.Popen(worker_command(broker.bootstrap, workdir), start_new_session=True)
         try:
             return _exchange(broker.bootstrap, workdir, worker)
         finally:
             if worker.poll() is None:
-                worker.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
             if not keep_going:
                 import shutil
 

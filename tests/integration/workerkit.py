@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,19 +49,28 @@ class WorkerProcess:
     def __enter__(self) -> WorkerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # Own process group: a SIGKILL then takes the engine core with it, as a container
+            # runtime would, instead of leaving an orphaned engine behind.
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         return self
 
     def __exit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def signal(self, sig: signal.Signals) -> None:
+        """SIGKILL hits the whole group (a crash); other signals only the worker, like `kill`."""
         assert self.proc is not None
-        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int:
         assert self.proc is not None
