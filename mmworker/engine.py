@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,6 +78,11 @@ class Engine:
         self.busy_s = 0.0
 
     def start(self) -> None:
+        if _cpu_only():
+            # AsyncLLM keeps its engine core in a process of its own either way; on CPU this flag
+            # only stops vLLM from adding a further model-runner process whose shared-memory queue
+            # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
