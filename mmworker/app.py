@@ -62,7 +62,7 @@ async def _serve(cfg: WorkerConfig, create_topics: int | None) -> int:
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         for f in warming:
             f.result()
-        media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool)
+        media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels)
         runner = JobRunner(cfg, engine, media, metrics)
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)

@@ -85,11 +85,15 @@ class Engine:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self.engine_kwargs())
         t0 = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(args)
+        # A batch worker wants vLLM's offline batch limits (max_num_seqs, max_num_batched_tokens
+        # sized for throughput, e.g. 1,024 / 16,384 on an H200), not the smaller server defaults
+        # AsyncLLM picks for an interactive engine.
+        self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, revision=self._cfg.model_revision
         )

