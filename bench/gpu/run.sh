@@ -15,6 +15,10 @@ mkdir -p "$out"
 if ! python3 -c "import vllm, kafka, av, zstandard, pydantic_settings" 2>/dev/null; then
     bash "$stage/install.sh" "$stage"
 fi
+# Small wheels beyond the bundle (e.g. crc32c for kafka-python) ride in .whl/ when carried.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+fi
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 model=/tmp/qwen2.5-vl-3b-dummy
