@@ -83,6 +83,9 @@ class Engine:
             # only stops vLLM from adding a further model-runner process whose shared-memory queue
             # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        else:
+            # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -214,9 +217,11 @@ class Engine:
 
 @lru_cache(maxsize=1)
 def _cpu_only() -> bool:
-    import torch
+    """Ask vLLM's platform detection, which reads NVML: `torch.cuda.is_available()` would
+    initialise CUDA in this process, and vLLM then cannot fork its engine core."""
+    from vllm.platforms import current_platform
 
-    return not torch.cuda.is_available()
+    return bool(current_platform.is_cpu())
 
 
 def _is_client_error(exc: BaseException) -> bool:

@@ -9,13 +9,23 @@ Two passes over the container, both with PyAV:
 2. Decode only what is needed: from the key frame before each chosen frame up to that frame. Long
    stretches without a chosen frame are skipped — with a container seek when the stretch is long,
    by dropping packets unseen when it is short. Dense sampling thus decodes sequentially and
-   sparse sampling decodes a GOP prefix per frame, never the whole video.
+   sparse sampling decodes a GOP prefix per frame, never the whole video. Within a stretch, an
+   H.264 frame that no other frame references and that is not itself chosen is not decoded at
+   all (the decoder's skip_frame="NONREF", set per packet): about half of the frames of a
+   B-frame stream, a third of the decode time, and not one output pixel changes.
 
 Timestamps are seconds from the first shown frame (MPEG-TS streams start at 1.4 s; users want
 "seconds into the video"). Frames are turned upright from the display matrix exactly as ffmpeg's
 autorotate does, then resized with Pillow's BICUBIC: measured against torchvision's antialiased
-bicubic (what qwen-vl-utils uses) Pillow differs by ~0.15/255 on average, swscale by 4-13/255.
-The resize, not the decode, dominates the cost (~15-25 ms per 720p frame on one core).
+bicubic (what qwen-vl-utils uses) Pillow differs by 0.005-0.15/255 on average (at most 1/255 on
+the benchmark's 720p clip); swscale differs by 2/255 on average and up to 114/255 at colour
+edges, Pillow with reducing_gap=1 by 0.7/255 (up to 33/255), so neither faster resize is used.
+
+Cost, measured on 720p H.264 (bench/README.md): decoding dominates (~1-3 ms a frame, and every
+reference frame of a GOP up to the chosen one must be decoded); the RGB conversion and resize of
+a chosen frame (~10 ms) run on a helper thread beside the decoder, and once the first frame has
+fixed the output size a second decoder takes the later half of the stretches. Both overlap only
+when a core is free: they shorten the wall time of one video, not the CPU time.
 
 Errors are typed: no video stream → `UnsupportedMedia` (an audio file is a real, decodable media
 file, just not a kind this worker captions); corrupt data, or a file whose own header proves it
@@ -28,8 +38,13 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import math
-from collections.abc import Iterator, Sequence
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -53,6 +68,22 @@ from preprocess.resize import smart_resize
 #: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek
 #: re-reads the index and re-syncs the demuxer.
 SEEK_MIN_PACKETS = 64
+#: Codecs whose decoder can drop non-reference frames without changing any other frame. In H.264
+#: nal_ref_idc == 0 means no picture refers to the frame. HEVC is left out: its "sub-layer
+#: non-reference" pictures may still be referenced from higher temporal layers, and FFmpeg's
+#: NONREF drops them all the same.
+NONREF_SKIP_CODECS = frozenset({"h264"})
+#: Chosen frames handed to the conversion thread and not yet converted, at most. Each holds a
+#: full-size decoded picture, so this bounds memory when every frame is chosen.
+MAX_PENDING_FRAMES = 4
+#: Decoders working on one video at once: a second one, in its own container, takes the later
+#: half of the decode stretches. Frames of a GOP form a reference chain, so FFmpeg's frame
+#: threads gain nothing once non-reference frames are skipped (measured); separate GOPs are
+#: independent. Two, not one per core: the worker's process pool already spreads jobs over the
+#: cores, so this only fills a core left idle when fewer jobs than cores are in flight.
+DECODE_THREADS = 2
+#: Packets the later half must hold before a second decoder is worth its container and seek.
+PARALLEL_MIN_PACKETS = 256
 
 _Transpose = Image.Transpose
 
@@ -121,19 +152,7 @@ def prepare_video(
         raise NoFrames("the video stream has no frames")
     n_out = len(plan.targets) + len(plan.targets) % FRAME_FACTOR
     wanted = sorted(set(plan.targets))
-    # A fresh container rather than a seek back to the start: some demuxers cannot seek to
-    # their first packet exactly, and reopening an in-memory file costs one header parse.
-    with _open(data) as container:
-        stream = _video_stream(container)
-        decoder = _Decoder(
-            container=container,
-            stream=stream,
-            timeline=timeline,
-            params=params,
-            n_out=n_out,
-            stats=stats,
-        )
-        captured = decoder.decode(_runs(timeline, wanted))
+    captured, original_size = _decode(data, timeline, params, n_out, stats, _runs(timeline, wanted))
     frames: list[npt.NDArray[np.uint8]] = []
     timestamps: list[float] = []
     for target in plan.targets:
@@ -147,16 +166,103 @@ def prepare_video(
         # Qwen merges frames in pairs; repeating the last one is what its processor does too.
         frames.append(frames[-1])
         timestamps.append(timestamps[-1])
-    assert decoder.original_size is not None
+    assert original_size is not None
     return PreparedVideo(
         frames=np.ascontiguousarray(np.stack(frames)),
-        original_size=decoder.original_size,
+        original_size=original_size,
         timestamps=tuple(timestamps),
         duration_s=timeline.duration_s,
         source_fps=timeline.source_fps,
         total_num_frames=len(timeline.shown),
         sample_fps=plan.sample_fps,
     )
+
+
+_Captured = dict[int, tuple[npt.NDArray[np.uint8], float]]
+
+
+def _decode(
+    data: bytes,
+    timeline: _Timeline,
+    params: VideoParams,
+    n_out: int,
+    stats: DecodeStats,
+    runs: Sequence[_Run],
+) -> tuple[_Captured, tuple[int, int] | None]:
+    """Second pass: decode `runs`, the later half on a second decoder when that pays.
+
+    The second decoder starts only once the first has captured a frame (with fps sampling, the
+    very first frame): that frame fixes the output size for every frame, as in a sequential
+    decode, so a stream that changes resolution midway still yields one size. Each decoder
+    reads its own container (a fresh one rather than a seek back to the start: some demuxers
+    cannot seek to their first packet exactly, and reopening an in-memory file costs one
+    header parse).
+    """
+    abort = threading.Event()
+    # The converter is shut down (its work waited for) before the container closes.
+    with _open(data) as container, ThreadPoolExecutor(1, "frame-convert") as converter:
+        main = _Decoder(
+            container=container,
+            stream=_video_stream(container),
+            timeline=timeline,
+            params=params,
+            n_out=n_out,
+            stats=stats,
+            converter=converter,
+            abort=abort,
+        )
+        head, tail = _split(list(runs)) if main.seekable else (list(runs), [])
+        if not tail:
+            main.decode(head)
+            return main.results(), main.original_size
+        helper_stats = DecodeStats()
+        with ThreadPoolExecutor(1, "video-decode") as pool:
+            helper: Future[_Captured] | None = None
+
+            def start_helper() -> None:
+                nonlocal helper
+                helper = pool.submit(_decode_tail, data, main, tail, helper_stats)
+
+            main.on_size_fixed = start_helper
+            try:
+                main.decode(head)
+                if helper is None:  # no frame came out of the head: the tail follows here
+                    main.decode(tail)
+            except BaseException:
+                abort.set()  # the helper stops at its next packet
+                raise
+            captured = main.results() | (helper.result() if helper is not None else {})
+        stats.decoded += helper_stats.decoded
+        stats.seeks += helper_stats.seeks
+        stats.runs += helper_stats.runs
+        return captured, main.original_size
+
+
+def _split(runs: list[_Run]) -> tuple[list[_Run], list[_Run]]:
+    """Cut the runs where about half the packets to decode lie on each side."""
+    if len(runs) < 2 or DECODE_THREADS < 2 or _usable_cores() < 2:
+        return runs, []
+    prefix = list(itertools.accumulate(run.end - run.start + 1 for run in runs))
+    k = min(range(1, len(runs)), key=lambda i: abs(2 * prefix[i - 1] - prefix[-1]))
+    if prefix[-1] - prefix[k - 1] < PARALLEL_MIN_PACKETS:
+        return runs, []
+    return runs[:k], runs[k:]
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _decode_tail(
+    data: bytes, main: _Decoder, runs: Sequence[_Run], stats: DecodeStats
+) -> _Captured:
+    with _open(data) as container:
+        helper = main.fork(container, stats)
+        helper.decode(runs)
+        return helper.results()
 
 
 def _open(data: bytes) -> InputContainer:
@@ -369,6 +475,8 @@ class _Decoder:
         params: VideoParams,
         n_out: int,
         stats: DecodeStats,
+        converter: ThreadPoolExecutor,
+        abort: threading.Event,
     ) -> None:
         self.container = container
         self.stream = stream
@@ -380,42 +488,92 @@ class _Decoder:
         self._target: tuple[int, int] | None = None  # (height, width), upright
         self._by_key = {(p.pts, p.dts): i for i, p in enumerate(timeline.packets)}
         self._seekable = timeline.timed and len(self._by_key) == len(timeline.packets)
-        self._captured: dict[int, tuple[npt.NDArray[np.uint8], float]] = {}
+        self._converter = converter
+        self._abort = abort
+        self._packet_iter: Iterator[av.Packet[VideoStream]] | None = None
+        self._position = 0
+        #: Called once, when the first captured frame has fixed the output size.
+        self.on_size_fixed: Callable[[], None] | None = None
+        self._pending: deque[Future[npt.NDArray[np.uint8]]] = deque()
+        self._captured: dict[int, tuple[Future[npt.NDArray[np.uint8]], float]] = {}
+        # Untimed streams match frames by output order, which skipped frames would shift.
+        codec = stream.codec_context
+        self._skip_nonref = (
+            timeline.timed and codec is not None and codec.name in NONREF_SKIP_CODECS
+        )
 
-    def decode(self, runs: Sequence[_Run]) -> dict[int, tuple[npt.NDArray[np.uint8], float]]:
+    def decode(self, runs: Sequence[_Run]) -> None:
+        """Decode the runs, which must lie after any this decoder has done already."""
         try:
             self._decode(runs)
         except av.error.FFmpegError as exc:
             raise UndecodableVideo(f"corrupt video data: {exc}") from None
-        return self._captured
+
+    def results(self) -> _Captured:
+        try:
+            return {w: (future.result(), s) for w, (future, s) in self._captured.items()}
+        except av.error.FFmpegError as exc:
+            raise UndecodableVideo(f"corrupt video data: {exc}") from None
+
+    @property
+    def seekable(self) -> bool:
+        """Whether another decoder could start at a later run: it has to seek there."""
+        return self._seekable
+
+    def fork(self, container: InputContainer, stats: DecodeStats) -> _Decoder:
+        """A decoder on another container of the same data, producing the same frame size."""
+        other = _Decoder(
+            container=container,
+            stream=_video_stream(container),
+            timeline=self.timeline,
+            params=self.params,
+            n_out=self.n_out,
+            stats=stats,
+            converter=self._converter,
+            abort=self._abort,
+        )
+        other._target, other.original_size = self._target, self.original_size
+        return other
 
     def _decode(self, runs: Sequence[_Run]) -> None:
+        codec = self.stream.codec_context
         packets = self._packets()
-        position = 0  # decode index of the next packet `packets` yields
+        position = self._position  # decode index of the next packet `packets` yields
         for run in runs:
             self.stats.runs += 1
             if self._seekable and run.start - position >= SEEK_MIN_PACKETS:
                 packets, position = self._seek(run.start)
             matcher = _RunMatcher(self, run)
+            chosen = {self.timeline.shown[w] for w in run.wanted}
             for packet in packets:
                 index = position
                 position += 1
                 if index < run.start:
                     continue
+                if self._abort.is_set():
+                    return
                 self.stats.decoded += 1
-                for frame in self.stream.codec_context.decode(packet):
+                if self._skip_nonref:
+                    # The decoder reads it as each packet is sent (frame threads copy it on
+                    # submission), so a chosen non-reference frame is still decoded.
+                    codec.skip_frame = "DEFAULT" if index in chosen else "NONREF"
+                for frame in codec.decode(packet):
                     matcher.offer(frame)
                 if index >= run.end:
                     break
             # Drain so the run's last frames come out without feeding packets we do not need,
             # then reset the decoder for the next run's key frame.
-            for frame in self.stream.codec_context.decode(None):
+            for frame in codec.decode(None):
                 matcher.offer(frame)
-            self.stream.codec_context.flush_buffers()
+            codec.flush_buffers()
             matcher.finish()
+        self._position, self._packet_iter = position, packets
 
     def _packets(self) -> Iterator[av.Packet[VideoStream]]:
-        return (p for p in self.container.demux(self.stream) if p.size)
+        """The packet iterator, picked up where the previous `decode` call left it."""
+        if self._packet_iter is None:
+            self._packet_iter = (p for p in self.container.demux(self.stream) if p.size)
+        return self._packet_iter
 
     def _seek(self, start: int) -> tuple[Iterator[av.Packet[VideoStream]], int]:
         """Seek to the key frame at decode index `start`; return packets from there and its index.
@@ -438,6 +596,7 @@ class _Decoder:
     def _seek_to(self, stamp: int) -> tuple[Iterator[av.Packet[VideoStream]], int] | None:
         self.stats.seeks += 1
         self.container.seek(stamp, backward=True, any_frame=False, stream=self.stream)
+        self._packet_iter = None  # a fresh demux from the new position
         packets = self._packets()
         first = next(packets, None)
         if first is None:
@@ -449,11 +608,21 @@ class _Decoder:
         return _prepend(first, packets), index
 
     def capture(self, shown_index: int, frame: VideoFrame, seconds: float) -> None:
+        """Queue the frame's conversion on the helper thread; the decoder goes on meanwhile.
+
+        PyAV's decode, swscale and Pillow's resize all release the GIL, so the two overlap.
+        """
         if shown_index in self._captured:
             return
-        self._captured[shown_index] = (self._convert(frame), seconds)
+        size, ops = self._geometry(frame)
+        if len(self._pending) >= MAX_PENDING_FRAMES:
+            self._pending.popleft().result()  # also surfaces a conversion error early
+        future = self._converter.submit(_to_pixels, frame, size, ops)
+        self._pending.append(future)
+        self._captured[shown_index] = (future, seconds)
 
-    def _convert(self, frame: VideoFrame) -> npt.NDArray[np.uint8]:
+    def _geometry(self, frame: VideoFrame) -> tuple[tuple[int, int], list[Image.Transpose]]:
+        """Check the frame and fix the output size on the first one: (size to resize to, ops)."""
         _check_source_size(frame.width, frame.height, self.params)
         ops = _orientation(frame)
         swap = any(op in _SWAPS for op in ops)
@@ -468,15 +637,23 @@ class _Decoder:
                 max_pixels=frame_max_pixels(self.params, self.n_out),
                 max_ratio=self.params.max_ratio,
             )
+            if self.on_size_fixed is not None:
+                self.on_size_fixed()
         height, width = self._target
-        image = Image.fromarray(np.asarray(frame.to_ndarray(format="rgb24"), dtype=np.uint8))
         # Resize in the coded orientation, then transpose: same pixels, less work on the rotate.
-        size = (height, width) if swap else (width, height)
-        if image.size != size:
-            image = image.resize(size, Image.Resampling.BICUBIC)
-        for op in ops:
-            image = image.transpose(op)
-        return np.asarray(image, dtype=np.uint8)
+        return ((height, width) if swap else (width, height)), ops
+
+
+def _to_pixels(
+    frame: VideoFrame, size: tuple[int, int], ops: Sequence[Image.Transpose]
+) -> npt.NDArray[np.uint8]:
+    """RGB, resized to `size` (width, height) with Pillow's BICUBIC, then turned upright."""
+    image = Image.fromarray(np.asarray(frame.to_ndarray(format="rgb24"), dtype=np.uint8))
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    for op in ops:
+        image = image.transpose(op)
+    return np.asarray(image, dtype=np.uint8)
 
 
 def frame_max_pixels(params: VideoParams, n_frames: int) -> int:
