@@ -374,7 +374,8 @@ class DiskFeatureCache:
         except FileNotFoundError:
             with self._lock:
                 self._misses += 1
-                self._forget_locked(key)
+                if not path.exists():  # a put may have re-created it since we looked
+                    self._forget_locked(key)
             return None
         except OSError as e:
             log.warning("feature cache: cannot read %s: %s", path, e)
@@ -396,16 +397,19 @@ class DiskFeatureCache:
                 self._corrupt += 1
                 self._misses += 1
                 # Only delete the file we read: a concurrent put may already have replaced it.
-                with contextlib.suppress(FileNotFoundError):
-                    if path.stat().st_ino == ino:
-                        path.unlink()
-                self._forget_locked(key)
+                if _same_file(path, ino):
+                    path.unlink()
+                if not path.exists():
+                    self._forget_locked(key)
             return None
         with self._lock:
             self._hits += 1
             if key in self._index:
                 self._index.move_to_end(key)
-            else:  # written by another process sharing the directory
+            elif _same_file(path, ino):
+                # Written by another process sharing the directory. Checked under the lock: a
+                # thread here may have evicted it since we read it, and the index must not
+                # list a file that is gone.
                 self._index[key] = len(blob)
                 self._bytes += len(blob)
         with contextlib.suppress(FileNotFoundError):
@@ -463,6 +467,13 @@ class DiskFeatureCache:
             self._evictions += 1
             with contextlib.suppress(FileNotFoundError):
                 self.path_for(key).unlink()
+
+
+def _same_file(path: Path, ino: int) -> bool:
+    try:
+        return path.stat().st_ino == ino
+    except FileNotFoundError:
+        return False
 
 
 def _fsync_dir(directory: Path) -> None:
