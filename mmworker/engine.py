@@ -73,6 +73,7 @@ class Engine:
         self.model_path = model_path
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._prompt_token_counts: dict[tuple[str, tuple[str, ...]], int] = {}
         self._busy_since: float | None = None
         self._active = 0
         self.busy_s = 0.0
@@ -134,8 +135,18 @@ class Engine:
         return _chat_prompt(self._tokenizer, instruction, kinds)
 
     def prompt_tokens(self, instruction: str, kinds: tuple[str, ...]) -> int:
-        """Text tokens of the prompt, placeholders counted as one each (for budgeting)."""
-        return len(self._tokenizer.encode(self.prompt_text(instruction, kinds)))
+        """Text tokens of the prompt, placeholders counted as one each (for budgeting).
+
+        Memoised like the prompt text: most jobs share an instruction, and tokenising it again
+        for every job showed up on the event loop in the H200 profile.
+        """
+        key = (instruction, kinds)
+        count = self._prompt_token_counts.get(key)
+        if count is None:
+            count = len(self._tokenizer.encode(self.prompt_text(instruction, kinds)))
+            if len(self._prompt_token_counts) < 4096:
+                self._prompt_token_counts[key] = count
+        return count
 
     async def generate(
         self,
