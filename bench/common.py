@@ -7,7 +7,6 @@ number (a percentile or a "jobs/s" computed two ways would make the tables disag
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -19,7 +18,6 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -41,39 +39,10 @@ def _image_job(args: tuple[int, int, int]) -> bytes:
 def seeded_video(
     seed: int, seconds: float = 8.0, fps: int = 24, width: int = 448, height: int = 448
 ) -> bytes:
-    """Like `mmworker.samples.sample_video`, but every seed gives different pixels.
+    """Distinct content per seed (see `mmworker.samples.sample_video`)."""
+    from mmworker.samples import sample_video
 
-    Distinct content matters: identical clips would share one content hash, so the worker's
-    feature cache and vLLM's processor cache would turn a "cold" pass into a warm one.
-    """
-    import av
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    shift, green, blue = (int(v) for v in rng.integers(0, 256, 3))
-    radius = int(height // 10 + rng.integers(0, height // 10))
-    by = int(height * (0.3 + 0.4 * rng.random()))
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.time_base = Fraction(1, fps)
-        yy, xx = np.mgrid[0:height, 0:width]
-        for i in range(int(seconds * fps)):
-            t = i / fps
-            frame = np.empty((height, width, 3), dtype=np.uint8)
-            frame[..., 0] = (xx * 255 // width + i * 3 + shift) % 256
-            frame[..., 1] = (yy * 255 // height + green) % 256
-            frame[..., 2] = blue
-            bx = int((0.1 + 0.8 * (t / seconds)) * width)
-            frame[(xx - bx) ** 2 + (yy - by) ** 2 < radius**2] = (255, 255, 255)
-            vf = av.VideoFrame.from_ndarray(frame, format="rgb24")
-            vf.pts = i
-            for packet in stream.encode(vf):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
+    return sample_video(seconds=seconds, fps=fps, width=width, height=height, seed=seed)
 
 
 def _video_job(args: tuple[int, float, int, int]) -> bytes:

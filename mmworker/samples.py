@@ -33,9 +33,25 @@ def sample_image(width: int = 640, height: int = 480, seed: int = 0, fmt: str = 
 
 
 def sample_video(
-    seconds: float = 4.0, fps: int = 24, width: int = 320, height: int = 240, codec: str = "libx264"
+    seconds: float = 4.0,
+    fps: int = 24,
+    width: int = 320,
+    height: int = 240,
+    codec: str = "libx264",
+    seed: int | None = None,
 ) -> bytes:
-    """A moving ball over a gradient, encoded as MP4 (H.264 by default)."""
+    """A moving ball over a gradient, encoded as MP4 (H.264 by default).
+
+    A `seed` varies colours, ball size and path, so benchmarks get distinct content (identical
+    clips would share one content hash and turn a cold pass into a warm one).
+    """
+    shift, green, blue = 0, 0, 128
+    radius, by = height // 8, height // 2
+    if seed is not None:
+        rng = np.random.default_rng(seed)
+        shift, green, blue = (int(v) for v in rng.integers(0, 256, 3))
+        radius = int(height // 10 + rng.integers(0, height // 10))
+        by = int(height * (0.3 + 0.4 * rng.random()))
     out = io.BytesIO()
     with av.open(out, mode="w", format="mp4") as container:
         stream = container.add_stream(codec, rate=fps)
@@ -46,12 +62,11 @@ def sample_video(
         for i in range(int(seconds * fps)):
             t = i / fps
             frame = np.empty((height, width, 3), dtype=np.uint8)
-            frame[..., 0] = (xx * 255 // width + i * 3) % 256
-            frame[..., 1] = yy * 255 // height
-            frame[..., 2] = 128
+            frame[..., 0] = (xx * 255 // width + i * 3 + shift) % 256
+            frame[..., 1] = (yy * 255 // height + green) % 256
+            frame[..., 2] = blue
             bx = int((0.1 + 0.8 * (t / seconds)) * width)
-            by = height // 2
-            frame[(xx - bx) ** 2 + (yy - by) ** 2 < (height // 8) ** 2] = (255, 255, 255)
+            frame[(xx - bx) ** 2 + (yy - by) ** 2 < radius**2] = (255, 255, 255)
             video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
             video_frame.pts = i
             for packet in stream.encode(video_frame):
