@@ -25,6 +25,7 @@ class TopicPartition(NamedTuple):
 class _PartitionState:
     pending: list[int] = field(default_factory=list)  # min-heap of offsets in flight
     finished: set[int] = field(default_factory=set)  # done but behind a pending offset
+    uncommitted: list[int] = field(default_factory=list)  # done, contiguous, not yet committed
     next_commit: int | None = None  # offset to commit (next to consume); None: nothing yet
     committed: int | None = None  # last offset we committed
 
@@ -51,16 +52,18 @@ class OffsetTracker:
             while state.pending and state.pending[0] in state.finished:
                 head = heapq.heappop(state.pending)
                 state.finished.discard(head)
+                state.uncommitted.append(head)
                 state.next_commit = head + 1
             return True
 
     def in_flight(self) -> int:
-        with self._lock:
-            return sum(len(s.pending) for s in self._parts.values())
+        """Jobs not yet covered by a commit: running, or done but behind the last commit.
 
-    def in_flight_for(self, tps: list[TopicPartition]) -> int:
+        Counting the done-but-uncommitted ones too is what bounds redelivery after a crash by the
+        in-flight limit: nothing beyond it can have been answered and not committed.
+        """
         with self._lock:
-            return sum(len(self._parts[tp].pending) for tp in tps if tp in self._parts)
+            return sum(len(s.pending) + len(s.uncommitted) for s in self._parts.values())
 
     def to_commit(self, tps: list[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Offsets that advanced since the last commit (the caller commits, then confirms)."""
@@ -79,8 +82,10 @@ class OffsetTracker:
     def committed(self, offsets: dict[TopicPartition, int]) -> None:
         with self._lock:
             for tp, offset in offsets.items():
-                if tp in self._parts:
-                    self._parts[tp].committed = offset
+                state = self._parts.get(tp)
+                if state is not None:
+                    state.committed = offset
+                    state.uncommitted = [o for o in state.uncommitted if o >= offset]
 
     def forget(self, tps: list[TopicPartition]) -> None:
         """Drop partitions we no longer own; their late completions are ignored."""

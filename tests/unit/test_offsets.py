@@ -22,6 +22,8 @@ def test_commit_waits_for_the_lowest_pending_offset() -> None:
     assert t.to_commit() == {}
     t.done(TP, 14)
     assert t.to_commit() == {TP: 15}
+    assert t.in_flight() == 1  # answered, not yet committed
+    t.committed({TP: 15})
     assert t.in_flight() == 0
 
 
@@ -55,12 +57,17 @@ def test_revoked_partition_is_forgotten_and_late_completions_ignored() -> None:
     assert t.owned() == [other]
 
 
-def test_in_flight_for_counts_only_named_partitions() -> None:
+def test_in_flight_counts_done_work_until_it_is_committed() -> None:
     t = OffsetTracker()
-    other = TopicPartition("jobs", 1)
-    for o in range(3):
+    for o in range(4):
         t.track(TP, o)
-    t.track(other, 9)
-    assert t.in_flight_for([TP]) == 3
-    assert t.in_flight() == 4
-    assert t.to_commit([other]) == {}
+    t.done(TP, 0)
+    t.done(TP, 1)
+    assert t.in_flight() == 4  # two running + two answered but not yet committed
+    t.committed(t.to_commit())
+    assert t.in_flight() == 2
+    t.done(TP, 3)  # behind pending 2: not committable, still held
+    assert t.in_flight() == 2
+    t.done(TP, 2)
+    t.committed(t.to_commit())
+    assert t.in_flight() == 0
