@@ -65,7 +65,8 @@ def worker_command(
 def _jobs(workdir: Path) -> list[tuple[str, bytes]]:
     video = workdir / "ball.mp4"
     video.write_bytes(sample_video())
-    gen = GenerationParams(max_tokens=24)
+    # Sampled, not greedy: a random-weight model's greedy output is one token repeated.
+    gen = GenerationParams(max_tokens=24, temperature=1.0, seed=7)
     image = Job(job_id="demo-image", media=[MediaRef(data=sample_image())], generation=gen)
     clip = Job(job_id="demo-video", media=[MediaRef(uri=video.as_uri())], generation=gen)
     again = Job(job_id="demo-video-again", media=[MediaRef(uri=video.as_uri())], generation=gen)
