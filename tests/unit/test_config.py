@@ -96,3 +96,27 @@ def test_every_setting_is_described() -> None:
 def test_readme_reference_is_current() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert render_reference() in readme, "README config reference is stale: paste the output"
+
+
+def test_config_and_schema_commands_print_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from mmworker.cli import main
+
+    monkeypatch.setenv("MMWORKER_KAFKA__SASL_PASSWORD", "s3cret")
+    assert main(["config", "--group-id", "g7"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed)["kafka"]["group_id"] == "g7"
+    assert "s3cret" not in printed
+    assert main(["schema", "job"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "job_id" in schema["required"] and "media" in schema["required"]
+
+
+def test_invalid_setting_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from mmworker.cli import main
+
+    assert main(["config", "--set", "limits.max_in_flight=0"]) == 2
+    assert "invalid configuration" in capsys.readouterr().err
