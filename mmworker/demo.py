@@ -122,7 +122,7 @@ def _exchange(bootstrap: str, workdir: Path, worker: subprocess.Popen[bytes]) ->
     deadline = time.monotonic() + DEADLINE_S
     while waiting and time.monotonic() < deadline and worker.poll() is None:
         for record in consumer:
-            print(summarise(record.topic, json.loads(record.value)), flush=True)
+            print(summarise(record.topic, json.loads(record.value), record.key), flush=True)
             waiting.discard(record.key.decode())
         if not repeat_sent and "demo-video" not in waiting:
             key, value = jobs[-1]

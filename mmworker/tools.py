@@ -101,7 +101,8 @@ def tail(args: argparse.Namespace) -> int:
         for record in consumer:
             seen += 1
             doc = json.loads(record.value)
-            print(json.dumps(doc) if args.json else summarise(record.topic, doc), flush=True)
+            line = json.dumps(doc) if args.json else summarise(record.topic, doc, record.key)
+            print(line, flush=True)
     except KeyboardInterrupt:
         pass
     finally:
@@ -110,9 +111,11 @@ def tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarise(topic: str, doc: dict[str, object]) -> str:
+def summarise(topic: str, doc: dict[str, object], key: bytes | None = None) -> str:
+    """One line per record; a failure without a job_id is named by its record key."""
     if "code" in doc:
-        return f"[{topic}] FAILED {doc.get('job_id')}: {doc['code']}: {doc.get('message')}"
+        name = doc.get("job_id") or (key.decode(errors="replace") if key else "?")
+        return f"[{topic}] FAILED {name}: {doc['code']}: {doc.get('message')}"
     media = doc.get("media")
     items = media if isinstance(media, list) else []
     kinds = ",".join(str(m.get("kind")) for m in items if isinstance(m, dict))
