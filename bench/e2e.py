@@ -826,11 +826,11 @@ class _FinishClock:
 def run_raw(
     llm: Any, tokenizer: Any, sampling: Any, prepared: dict[str, list[Any]], repeats: int
 ) -> dict[str, Any]:
-    from mmworker.engine import EngineItem, _chat_prompt, _mm_data
+    from mmworker.engine import EngineItem, _mm_data, chat_prompt
     from schemas import DEFAULT_PROMPTS
 
     def prompts(kind: str, suffix: str | None) -> list[dict[str, Any]]:
-        text = _chat_prompt(tokenizer, DEFAULT_PROMPTS[kind], (kind,))
+        text = chat_prompt(tokenizer, DEFAULT_PROMPTS[kind], (kind,))
         out = []
         for sha, item in prepared[kind]:
             p: dict[str, Any] = {

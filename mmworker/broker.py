@@ -16,7 +16,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -115,9 +114,3 @@ class EmbeddedBroker:
     ) -> None:
         self.stop()
         self._log.close()
-
-
-@contextlib.contextmanager
-def embedded_broker() -> Iterator[EmbeddedBroker]:
-    with EmbeddedBroker() as broker:
-        yield broker

@@ -73,7 +73,7 @@ class Engine:
         self.model_path = model_path
         self._llm: Any = None
         self._tokenizer: Any = None
-        self._prompt_token_counts: dict[tuple[str, tuple[str, ...]], int] = {}
+        self._prompts: dict[tuple[str, tuple[str, ...]], tuple[str, int]] = {}
         self._busy_since: float | None = None
         self._active = 0
         self.busy_s = 0.0
@@ -132,21 +132,24 @@ class Engine:
         return kwargs
 
     def prompt_text(self, instruction: str, kinds: tuple[str, ...]) -> str:
-        return _chat_prompt(self._tokenizer, instruction, kinds)
+        return self._prompt(instruction, kinds)[0]
 
     def prompt_tokens(self, instruction: str, kinds: tuple[str, ...]) -> int:
-        """Text tokens of the prompt, placeholders counted as one each (for budgeting).
+        """Text tokens of the prompt, placeholders counted as one each (for budgeting)."""
+        return self._prompt(instruction, kinds)[1]
 
-        Memoised like the prompt text: most jobs share an instruction, and tokenising it again
-        for every job showed up on the event loop in the H200 profile.
-        """
+    def _prompt(self, instruction: str, kinds: tuple[str, ...]) -> tuple[str, int]:
+        """Prompt text and its token count, memoised: most jobs share an instruction, and
+        rendering and tokenising it again for every job showed up on the event loop (H200
+        profile)."""
         key = (instruction, kinds)
-        count = self._prompt_token_counts.get(key)
-        if count is None:
-            count = len(self._tokenizer.encode(self.prompt_text(instruction, kinds)))
-            if len(self._prompt_token_counts) < 4096:
-                self._prompt_token_counts[key] = count
-        return count
+        cached = self._prompts.get(key)
+        if cached is None:
+            text = chat_prompt(self._tokenizer, instruction, kinds)
+            cached = (text, len(self._tokenizer.encode(text)))
+            if len(self._prompts) < 4096:
+                self._prompts[key] = cached
+        return cached
 
     async def generate(
         self,
@@ -216,10 +219,6 @@ class Engine:
         running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
         return self.busy_s + running
 
-    @property
-    def dead(self) -> bool:
-        return bool(self._llm is not None and getattr(self._llm, "errored", False))
-
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
@@ -254,22 +253,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" + (f" (caused by {_describe(cause)})" if cause else "")
 
 
-@lru_cache(maxsize=256)
-def _chat_prompt_cached(tokenizer_id: int, instruction: str, kinds: tuple[str, ...]) -> str:
-    tokenizer = _TOKENIZERS[tokenizer_id]
+def chat_prompt(tokenizer: Any, instruction: str, kinds: tuple[str, ...]) -> str:
+    """The model's own chat template with one placeholder per item (shared with the benchmark's
+    raw-engine peer, so both sides send the same prompt)."""
     content = [_PLACEHOLDER[k] for k in kinds] + [{"type": "text", "text": instruction}]
     messages = [{"role": "user", "content": content}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return str(text)
-
-
-_TOKENIZERS: dict[int, Any] = {}
-
-
-def _chat_prompt(tokenizer: Any, instruction: str, kinds: tuple[str, ...]) -> str:
-    """The model's own chat template with one placeholder per item; memoised per instruction."""
-    _TOKENIZERS.setdefault(id(tokenizer), tokenizer)
-    return _chat_prompt_cached(id(tokenizer), instruction, kinds)
 
 
 def _mm_data(items: list[EngineItem]) -> dict[str, list[Any]]:

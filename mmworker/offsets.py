@@ -92,7 +92,3 @@ class OffsetTracker:
         with self._lock:
             for tp in tps:
                 self._parts.pop(tp, None)
-
-    def owned(self) -> list[TopicPartition]:
-        with self._lock:
-            return list(self._parts)

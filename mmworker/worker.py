@@ -176,9 +176,6 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
 
-    def stop(self) -> None:
-        self._stopping.set()
-
     async def _on_kafka(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._kafka, lambda: fn(*args, **kwargs))
