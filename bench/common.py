@@ -250,19 +250,20 @@ class ResultReader:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)")
 
 
-def scrape(port: int, timeout_s: float = 5.0) -> dict[str, float]:
-    """`name{labels}` → value for every sample the worker exports."""
-    url = f"http://127.0.0.1:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        text = resp.read().decode()
+def scrape(port: int, processes: int = 1, timeout_s: float = 5.0) -> dict[str, float]:
+    """`name{labels}` → value for every sample, summed over worker processes (port + i)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            try:
-                out[m.group(1)] = float(m.group(2))
-            except ValueError:
-                continue
+    for i in range(processes):
+        url = f"http://127.0.0.1:{port + i}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if m and not line.startswith("#"):
+                try:
+                    out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+                except ValueError:
+                    continue
     return out
 
 
@@ -329,42 +330,3 @@ def environment() -> dict[str, Any]:
         "versions": versions,
         "load_avg_at_start": os.getloadavg(),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker shim: `python -c "from bench.common import worker_main; worker_main()" run ...`
-
-
-def worker_main() -> None:
-    """Run `mmworker` exactly as `python -m mmworker` does, after optional bench-only patches.
-
-    BENCH_IGNORE_EOS=1 makes every request generate exactly max_tokens, as the raw peer does with
-    `SamplingParams(ignore_eos=True)`: the job schema has no such field (a bench-only need).
-    """
-    if os.environ.get("BENCH_IGNORE_EOS") == "1":
-        patch_ignore_eos()
-    from mmworker.cli import main
-
-    raise SystemExit(main(sys.argv[1:]))
-
-
-def patch_ignore_eos() -> None:
-    """Make `from vllm import SamplingParams` return params with `ignore_eos=True` by default.
-
-    mmworker's engine imports SamplingParams at call time, so this reaches its requests and
-    nothing else changes; instances are still the real class, so vLLM's own checks pass.
-    """
-    import vllm
-
-    original = vllm.SamplingParams
-
-    def sampling_params(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("ignore_eos", True)
-        return original(*args, **kwargs)
-
-    vllm.SamplingParams = sampling_params  # type: ignore[assignment,misc]
-
-
-def worker_prefix() -> list[str]:
-    """The interpreter command that runs `worker_main` (the replacement for `-m mmworker`)."""
-    return [sys.executable, "-c", "from bench.common import worker_main; worker_main()"]

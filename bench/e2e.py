@@ -59,7 +59,6 @@ from bench.common import (
     metric_delta,
     print_table,
     scrape,
-    worker_prefix,
 )
 
 PARTITIONS = 4
@@ -84,6 +83,8 @@ class Options:
     video_fps: int = 24
     video_size: int = 448
     ignore_eos: bool = True
+    #: Worker processes (`processes` setting): each its own engine, one consumer group.
+    processes: int = 1
     preprocess_workers: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     max_model_len: int = 8192
     sets: list[str] = field(default_factory=list)
@@ -135,6 +136,9 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
         action="store_false",
         default=d.ignore_eos,
         help="let requests stop at EOS (token counts differ)",
+    )
+    p.add_argument(
+        "--processes", type=int, default=d.processes, help="worker processes (own engine each)"
     )
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -197,8 +201,6 @@ def child_env(opts: Options) -> dict[str, str]:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FIELD-NOTES §5 (GPU host)
-    if opts.ignore_eos:
-        env["BENCH_IGNORE_EOS"] = "1"
     return env
 
 
@@ -231,8 +233,9 @@ def worker_args(
         "engine.load_format": opts.load_format,
         "engine.max_model_len": opts.max_model_len,
         "preprocess.allowed_roots": [str(p) for p in allowed],
-        "preprocess.workers": opts.preprocess_workers,
+        "preprocess.workers": max(1, opts.preprocess_workers // opts.processes),
         "metrics_port": port,
+        "processes": opts.processes,
     }
     for item in opts.sets:
         key, _, raw = item.partition("=")
@@ -258,24 +261,24 @@ def make_topics(bootstrap: str, name: str) -> dict[str, str]:
     return topics
 
 
-def image_job(job_id: str, path: Path, max_tokens: int) -> bytes:
+def image_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
     from schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,
         media=[MediaRef(data=path.read_bytes())],
-        generation=GenerationParams(max_tokens=max_tokens),
+        generation=GenerationParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
     )
     return job.model_dump_json().encode()
 
 
-def video_job(job_id: str, path: Path, max_tokens: int) -> bytes:
+def video_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
     from schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,
         media=[MediaRef(uri=path.resolve().as_uri())],
-        generation=GenerationParams(max_tokens=max_tokens),
+        generation=GenerationParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
     )
     return job.model_dump_json().encode()
 
@@ -390,7 +393,7 @@ class WorkerRun:
         self.started = time.time()
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [*worker_prefix(), *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+                [sys.executable, "-m", "mmworker", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
             )
         self._spy: subprocess.Popen[bytes] | None = None
 
@@ -483,11 +486,11 @@ def worker_pass(
         allowed,
     )
     img_jobs = [
-        (f"{name}-img-{i}", image_job(f"{name}-img-{i}", p, opts.max_tokens))
+        (f"{name}-img-{i}", image_job(f"{name}-img-{i}", p, opts.max_tokens, opts.ignore_eos))
         for i, p in enumerate(images)
     ]
     vid_jobs = [
-        (f"{name}-vid-{i}", video_job(f"{name}-vid-{i}", p, opts.max_tokens))
+        (f"{name}-vid-{i}", video_job(f"{name}-vid-{i}", p, opts.max_tokens, opts.ignore_eos))
         for i, p in enumerate(videos)
     ]
     produce_s = post(bootstrap, topics["input"], img_jobs) if img_jobs else 0.0
@@ -512,19 +515,19 @@ def worker_pass(
                 worker.profile_start(profile_path(name, "image"))
             reader.wait_for(ids, opts.timeout_s, worker.alive)
             worker.profile_stop()
-            after = scrape(port)
+            after = scrape(port, opts.processes)
             out["image"] = summarise_worker(name, "image", reader, ids, ready, {}, after)
             print(f"[{name}] images: {out['image']['jobs_per_s']:.2f} jobs/s", flush=True)
         if vid_jobs:
             reader.pump(50)
             if profiling:
                 worker.profile_start(profile_path(name, "video"))
-            before, posted_at = scrape(port), time.time()
+            before, posted_at = scrape(port, opts.processes), time.time()
             post(bootstrap, topics["input"], vid_jobs)
             ids = {k for k, _ in vid_jobs}
             reader.wait_for(ids, opts.timeout_s, worker.alive)
             worker.profile_stop()
-            after = scrape(port)
+            after = scrape(port, opts.processes)
             out["video"] = summarise_worker(name, "video", reader, ids, posted_at, before, after)
             print(f"[{name}] videos: {out['video']['jobs_per_s']:.2f} jobs/s", flush=True)
     finally:

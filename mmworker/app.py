@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,12 +35,26 @@ def model_cache_dir() -> Path:
     return cache_home() / "mmworker" / "models"
 
 
-def run_worker(cfg: WorkerConfig, create_topics: int | None = None) -> int:
-    """Start everything, consume until stopped, tear down; returns the process exit code."""
-    return asyncio.run(_serve(cfg, create_topics))
+def run_worker(
+    cfg: WorkerConfig,
+    create_topics: int | None = None,
+    ready: Callable[[], object] | None = None,
+    go: Callable[[], object] | None = None,
+) -> int:
+    """Start everything, consume until stopped, tear down; returns the process exit code.
+
+    `ready` is called once the engine is up and `go` (blocking) before the first poll: the
+    hooks `mmworker.processes` uses to start several engines one at a time and then consume.
+    """
+    return asyncio.run(_serve(cfg, create_topics, ready, go))
 
 
-async def _serve(cfg: WorkerConfig, create_topics: int | None) -> int:
+async def _serve(
+    cfg: WorkerConfig,
+    create_topics: int | None,
+    ready: Callable[[], object] | None,
+    go: Callable[[], object] | None,
+) -> int:
     # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
     metrics = Metrics()
     if cfg.metrics_port is not None:
@@ -62,6 +77,10 @@ async def _serve(cfg: WorkerConfig, create_topics: int | None) -> int:
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         for f in warming:
             f.result()
+        if ready is not None:
+            ready()
+        if go is not None:
+            await asyncio.to_thread(go)
         media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels)
         runner = JobRunner(cfg, engine, media, metrics)
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)

@@ -25,6 +25,7 @@ _RUN_FLAGS: dict[str, tuple[str, type]] = {
     "--cache-dir": ("cache.directory", str),
     "--metrics-port": ("metrics_port", int),
     "--worker-id": ("worker_id", str),
+    "--processes": ("processes", int),
 }
 
 
@@ -74,10 +75,14 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mmworker.app import run_worker
-
     cfg = _load(args)
     logging.getLogger().setLevel(cfg.log_level)
+    if cfg.processes > 1:
+        from mmworker.processes import run_processes
+
+        return run_processes(cfg, create_topics=args.create_topics)
+    from mmworker.app import run_worker
+
     return run_worker(cfg, create_topics=args.create_topics)
 
 

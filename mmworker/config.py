@@ -283,7 +283,18 @@ class WorkerConfig(BaseSettings):
         json_schema_extra={"default_doc": "hostname-pid"},
     )
     metrics_port: int | None = Field(
-        None, ge=0, le=65535, description="Serve Prometheus metrics here; None disables"
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics here; None disables (process i of N: port + i)",
+    )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Worker processes on this host, each a group member with its own engine; "
+        "they split gpu_memory_utilization and the default preprocess.workers. >1 when one "
+        "process's vLLM input processing (a single Python thread) can't keep the GPU busy",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Worker log level"

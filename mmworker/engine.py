@@ -173,6 +173,7 @@ class Engine:
             top_p=params.top_p,
             seed=params.seed,
             stop=list(params.stop) or None,
+            ignore_eos=params.ignore_eos,
         )
         self._enter()
         t0 = time.monotonic()

@@ -81,6 +81,14 @@ class GenerationParams(_Frozen):
     stop: list[Annotated[str, StringConstraints(min_length=1, max_length=64)]] = Field(
         default_factory=list, max_length=8
     )
+    ignore_eos: bool = Field(
+        default=False,
+        description=(
+            "Do not stop at the model's end-of-sequence token, so the output is exactly "
+            "max_tokens tokens (benchmarks, fixed-length outputs); 'stop' strings still end it. "
+            "vLLM's SamplingParams.ignore_eos. Since 1.1; a 1.0 worker ignores it."
+        ),
+    )
 
 
 class ImageOptions(_Frozen):

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from schemas import (
+    SCHEMA_VERSION,
     ErrorCode,
     Failure,
     InvalidJson,
@@ -28,8 +29,9 @@ def _job(**over: object) -> bytes:
 
 def test_minimal_job_gets_defaults() -> None:
     job = parse_job(_job())
-    assert job.schema_version == "1.0"
+    assert job.schema_version == SCHEMA_VERSION == "1.1"
     assert job.generation.max_tokens == 128
+    assert job.generation.ignore_eos is False
     assert job.instruction(["image"]).startswith("Describe this image")
     assert job.instruction(["video"]).startswith("Describe what happens")
 
@@ -60,6 +62,7 @@ def test_inline_media_is_base64_on_the_wire_and_bytes_in_python() -> None:
         (_job(schema_version="2.0"), UnsupportedVersion, ErrorCode.UNSUPPORTED_VERSION),
         (_job(schema_version="one"), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(generation={"max_tokens": 0}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
+        (_job(generation={"ignore_eos": "maybe"}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(metadata={"blob": "x" * 20000}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
     ],
 )
@@ -76,6 +79,20 @@ def test_error_keeps_job_id_when_it_parsed_that_far() -> None:
         parse_job(_job(media=[]))
     assert info.value.job_id == "j1"
     assert "media" in info.value.message
+
+
+def test_ignore_eos_is_accepted_and_round_trips() -> None:
+    job = parse_job(_job(generation={"max_tokens": 64, "ignore_eos": True}))
+    assert job.generation.ignore_eos is True
+    assert job.generation.max_tokens == 64
+    assert json.loads(job.model_dump_json())["generation"]["ignore_eos"] is True
+
+
+def test_a_1_0_message_still_parses() -> None:
+    job = parse_job(_job(schema_version="1.0", generation={"max_tokens": 32, "seed": 3}))
+    assert job.schema_version == "1.0"
+    assert job.generation.max_tokens == 32
+    assert job.generation.ignore_eos is False
 
 
 def test_newer_minor_with_unknown_fields_is_accepted() -> None:

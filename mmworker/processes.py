@@ -1,0 +1,164 @@
+"""Several worker processes on one host, each a full consumer-group member with its own engine.
+
+Why: one process's vLLM front end (HF image processor, tokenizer, request serialisation) runs on
+one Python thread, and on a fast GPU that thread, not the GPU, bounds images/s (the H200 profile
+in bench/results/profile-h200-images.txt). Kafka's consumer group already spreads partitions over
+members, so N processes need no coordination of their own beyond three rules:
+
+- engines start one after another: vLLM sizes its KV cache from the GPU memory it sees change
+  while it profiles, which a neighbour starting at the same moment would skew;
+- nobody consumes before every engine is up, so the group rebalances once, not N times;
+- the first child that fails takes the others down (SIGTERM: they drain and commit), so the
+  supervisor above (Kubernetes, systemd) restarts the whole set rather than a silently smaller one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
+from types import FrameType
+
+from mmworker.config import WorkerConfig
+from mmworker.kafka_io import ensure_topics
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_ENGINE_DEAD, EXIT_START_FAILED = 0, 3, 1
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
+    """The settings of child `index`: an equal share of the GPU memory and of the CPU pool."""
+    n = cfg.processes
+    engine = cfg.engine.model_copy(
+        update={"gpu_memory_utilization": cfg.engine.gpu_memory_utilization / n}
+    )
+    preprocess = cfg.preprocess
+    if "workers" not in preprocess.model_fields_set:  # the default is per host: split it
+        preprocess = preprocess.model_copy(update={"workers": max(1, preprocess.workers // n)})
+    port = cfg.metrics_port
+    return cfg.model_copy(
+        update={
+            "processes": 1,
+            "engine": engine,
+            "preprocess": preprocess,
+            "worker_id": f"{cfg.worker_id}-{index}",
+            "metrics_port": port + index if port else port,
+        }
+    )
+
+
+def combined_exit_code(codes: list[int | None]) -> int:
+    """Engine death wins (it tells the orchestrator the GPU is suspect), then any other failure."""
+    real = [_as_exit_code(c) for c in codes]
+    if EXIT_ENGINE_DEAD in real:
+        return EXIT_ENGINE_DEAD
+    return max((c for c in real if c != EXIT_OK), default=EXIT_OK)
+
+
+def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
+    """Run `cfg.processes` workers; returns when all have exited."""
+    if create_topics:
+        k = cfg.kafka
+        ensure_topics(k, {k.input_topic: create_topics, k.output_topic: create_topics,
+                          k.dead_letter_topic: 1})  # fmt: skip
+    ctx = multiprocessing.get_context("spawn")  # children must not inherit CUDA or threads
+    go = ctx.Event()
+    children: list[BaseProcess] = []
+    stopping = False
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        name = signal.Signals(signum).name
+        log.info("%s: passing it to %d worker processes", name, len(children))
+        for child in children:
+            if child.pid is not None and child.exitcode is None:
+                os.kill(child.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for index in range(cfg.processes):
+            ready = ctx.Event()
+            child = ctx.Process(
+                target=_child_main,
+                args=(child_config(cfg, index), ready, go),
+                name=f"mmworker-{index}",
+            )
+            child.start()
+            children.append(child)
+            if not _wait_ready(child, ready) or stopping:
+                log.error("worker process %d did not start (exit %s)", index, child.exitcode)
+                _terminate(children)
+                return combined_exit_code([c.exitcode for c in children]) or EXIT_START_FAILED
+        log.info("%d worker processes ready: consuming", len(children))
+        go.set()
+        return _supervise(children, lambda: stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_ready(child: BaseProcess, ready: Event) -> bool:
+    while not ready.wait(0.5):
+        if child.exitcode is not None:
+            return False
+    return True
+
+
+def _supervise(children: list[BaseProcess], stopping: Callable[[], bool]) -> int:
+    """Wait for every child; the first to exit on its own stops the rest."""
+    brought_down = False
+    while any(c.exitcode is None for c in children):
+        time.sleep(0.2)
+        gone = [c for c in children if c.exitcode is not None]
+        if gone and not brought_down and not stopping():
+            first = gone[0]
+            log.error("%s exited (%s): stopping the other workers", first.name, first.exitcode)
+            _terminate(children)
+            brought_down = True
+    return combined_exit_code([c.exitcode for c in children])
+
+
+def _terminate(children: list[BaseProcess]) -> None:
+    for child in children:
+        if child.pid is not None and child.exitcode is None:
+            os.kill(child.pid, signal.SIGTERM)
+    for child in children:
+        child.join()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _as_exit_code(code: int | None) -> int:
+    if code is None:
+        return EXIT_START_FAILED
+    return 128 - code if code < 0 else code  # multiprocessing reports death by signal N as -N
+
+
+def _child_main(cfg: WorkerConfig, ready: Event, go: Event) -> None:
+    """Entry of a spawned child: its own session, so a terminal's Ctrl-C reaches it only once
+    (through the parent), and tied to the parent's life, so a killed supervisor leaves no orphan
+    consumers behind (as a container runtime would kill them all)."""
+    from mmworker.app import run_worker
+
+    os.setsid()
+    _die_with_parent()
+    logging.basicConfig(
+        level=cfg.log_level,
+        format=f"%(asctime)s %(levelname)s [{cfg.worker_id}] %(name)s: %(message)s",
+    )
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    raise SystemExit(run_worker(cfg, ready=ready.set, go=go.wait))

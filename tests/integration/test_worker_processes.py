@@ -1,0 +1,82 @@
+"""`processes = 2`: two real workers (two engines) under one supervisor, one consumer group."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mmworker.broker import EmbeddedBroker
+from mmworker.samples import sample_image
+from schemas import GenerationParams, Job, MediaRef
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    make_topics,
+    post,
+    wait_committed,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def test_two_processes_share_the_partitions_and_drain_on_sigterm(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    topics = make_topics(broker.bootstrap, "procs")
+    group = f"procs-{uuid.uuid4().hex[:6]}"
+    port = _free_port()
+    posted = Posted()
+    jobs = []
+    for i in range(30):
+        job = Job(
+            job_id=f"p-{i}",
+            media=[MediaRef(data=sample_image(seed=i))],
+            generation=GenerationParams(max_tokens=8),
+        )
+        jobs.append((job.job_id, job.model_dump_json().encode()))
+    post(broker.bootstrap, topics["input"], jobs, posted)
+    assert len({p for p, _ in posted.where.values()}) == 3  # every partition has work
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    extra = {"processes": 2, "metrics_port": port, "worker_id": "duo"}
+    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra) as worker:
+        ids = {key for key, _ in jobs}
+        collector.wait_for(ids, 300, worker)
+        answered_by = set()
+        for job_id in ids:
+            topic, doc = collector.one(job_id)  # exactly one record per job
+            assert topic == topics["output"], doc
+            answered_by.add(doc["worker_id"])
+        # Three partitions over two members: both hold at least one, so both answered.
+        assert answered_by == {"duo-0", "duo-1"}, worker.log()
+        # Each child serves its own metrics on port + index; together they count every job.
+        per_child = [_metric(port + i, "mmworker_jobs_total") for i in (0, 1)]
+        assert all(n > 0 for n in per_child) and sum(per_child) == len(ids), per_child
+
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(120) == 0, worker.log()
+        log = worker.log()
+        assert "2 worker processes ready" in log and "passing it to 2 worker processes" in log
+    got = wait_committed(broker.bootstrap, group, topics["input"], posted.ends(), timeout=20)
+    assert got == posted.ends()
+    collector.close()

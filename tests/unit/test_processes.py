@@ -1,0 +1,47 @@
+"""How `processes = N` splits one host's settings, and how N exit codes become one."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmworker.config import load_config
+from mmworker.processes import child_config, combined_exit_code
+
+
+def test_children_split_gpu_memory_and_the_default_pool() -> None:
+    cfg = load_config(
+        processes=2,
+        worker_id="host",
+        metrics_port=9400,
+        engine={"gpu_memory_utilization": 0.9},
+        preprocess={},
+    )
+    first, second = child_config(cfg, 0), child_config(cfg, 1)
+    for child in (first, second):
+        assert child.processes == 1
+        assert child.engine.gpu_memory_utilization == pytest.approx(0.45)
+        assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
+        assert child.kafka == cfg.kafka  # one consumer group
+    assert (first.worker_id, second.worker_id) == ("host-0", "host-1")
+    assert (first.metrics_port, second.metrics_port) == (9400, 9401)
+
+
+def test_an_explicit_pool_size_is_per_process_and_no_port_stays_off() -> None:
+    cfg = load_config(processes=4, preprocess={"workers": 3})
+    child = child_config(cfg, 3)
+    assert child.preprocess.workers == 3
+    assert child.metrics_port is None
+
+
+@pytest.mark.parametrize(
+    ("codes", "want"),
+    [
+        ([0, 0], 0),
+        ([0, 3, 130], 3),  # engine death wins: the orchestrator should look at the GPU
+        ([0, 130], 130),
+        ([-9, 0], 137),  # killed by SIGKILL → the shell's 128 + 9
+        ([None, 0], 1),  # never started
+    ],
+)
+def test_exit_codes_combine(codes: list[int | None], want: int) -> None:
+    assert combined_exit_code(codes) == want
