@@ -393,7 +393,11 @@ class WorkerRun:
         self.started = time.time()
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mmworker", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+                [sys.executable, "-m", "mmworker", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
             )
         self._spy: subprocess.Popen[bytes] | None = None
 
