@@ -636,7 +636,7 @@ def run_peers(
                 continue
             naive_topics[kind] = make_topics(bootstrap, f"naive-{kind}")
             jobs = [
-                (f"naive-{kind}-{i}", maker(f"naive-{kind}-{i}", p, opts.max_tokens))
+                (f"naive-{kind}-{i}", maker(f"naive-{kind}-{i}", p, opts.max_tokens, opts.ignore_eos))
                 for i, p in enumerate(chosen)
             ]
             post(bootstrap, naive_topics[kind]["input"], jobs)

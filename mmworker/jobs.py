@@ -94,7 +94,7 @@ class JobRunner:
         kinds = tuple(m.kind for m in media)
         instruction = job.instruction(list(kinds))
         self._check_budget(job, media, instruction, kinds)
-        items = [EngineItem(m.prepared, m.sha256) for m in media]
+        items = [EngineItem(m.prepared, m.key) for m in media]
         request_id = (
             f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
         )

@@ -26,6 +26,10 @@ from schemas import Job, MediaRef
 class PreparedMedia:
     prepared: PreparedImage | PreparedVideo
     sha256: str
+    #: Content + preprocessing parameters: the feature-cache key, and the `multi_modal_uuid`
+    #: vLLM keys its processor, encoder and prefix caches by, so a repeat of the same media at
+    #: another size or frame rate never gets the first one's features.
+    key: str
     cache_hit: bool
     fetch_s: float
     preprocess_s: float
@@ -67,7 +71,7 @@ class MediaStage:
         loop = asyncio.get_running_loop()
         got = await loop.run_in_executor(self._io_pool, self._acquire, ref, image, video)
         if got.cached is not None:
-            return PreparedMedia(got.cached, got.sha256, True, got.fetch_s, got.lookup_s)
+            return PreparedMedia(got.cached, got.sha256, got.key, True, got.fetch_s, got.lookup_s)
         assert got.data is not None
         t0 = time.perf_counter()
         prepared = await loop.run_in_executor(self._cpu_pool, prepare_media, got.data, image, video)
@@ -77,7 +81,7 @@ class MediaStage:
             # on disk, a repeat finds it in `_pending`.
             self._pending[got.key] = prepared
             self._io_pool.submit(self._put, got.key, prepared)
-        return PreparedMedia(prepared, got.sha256, False, got.fetch_s, preprocess_s)
+        return PreparedMedia(prepared, got.sha256, got.key, False, got.fetch_s, preprocess_s)
 
     def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""

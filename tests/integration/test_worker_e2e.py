@@ -89,6 +89,24 @@ def test_image_and_video_jobs_produce_results(env: dict) -> None:  # type: ignor
     assert video["source"]["topic"] == env["topics"]["input"]
 
 
+def test_same_image_at_two_sizes_gets_two_sets_of_features(env: dict) -> None:  # type: ignore[type-arg]
+    """vLLM caches processed inputs by `multi_modal_uuids`: the content hash alone would hand the
+    second job the first job's features (and prompt length) at the first job's size."""
+    posted = Posted()
+    data = sample_image(seed=11)  # 640×480
+    jobs = [_job("size-big", MediaRef(data=data)),
+            _job("size-small", MediaRef(data=data), image={"max_pixels": 64 * 28 * 28})]  # fmt: skip
+    for job in jobs:  # one after the other: the second must meet the first in vLLM's caches
+        post(env["broker"].bootstrap, env["topics"]["input"], [job], posted)
+        env["collector"].wait_for({job[0]}, START_S, env["worker"])
+    (_, big), (_, small) = env["collector"].one("size-big"), env["collector"].one("size-small")
+    assert big["media"][0]["sha256"] == small["media"][0]["sha256"]
+    assert big["usage"]["visual_tokens"] > small["usage"]["visual_tokens"] > 0
+    # Text tokens are the same prompt in both, so the engine saw each job's own visual tokens.
+    text = {r["usage"]["prompt_tokens"] - r["usage"]["visual_tokens"] for r in (big, small)}
+    assert len(text) == 1, (big["usage"], small["usage"])
+
+
 def test_sixty_mixed_jobs_with_six_bad_ones(env: dict) -> None:  # type: ignore[type-arg]
     clip = env["dir"] / "clip.mp4"
     good = []
