@@ -636,8 +636,9 @@ def run_peers(
                 continue
             naive_topics[kind] = make_topics(bootstrap, f"naive-{kind}")
             jobs = [
-                (f"naive-{kind}-{i}", maker(f"naive-{kind}-{i}", p, opts.max_tokens, opts.ignore_eos))
+                (job_id, maker(job_id, p, opts.max_tokens, opts.ignore_eos))
                 for i, p in enumerate(chosen)
+                if (job_id := f"naive-{kind}-{i}")
             ]
             post(bootstrap, naive_topics[kind]["input"], jobs)
     result_path = work / "peers.json"

@@ -94,8 +94,9 @@ def test_same_image_at_two_sizes_gets_two_sets_of_features(env: dict) -> None:  
     second job the first job's features (and prompt length) at the first job's size."""
     posted = Posted()
     data = sample_image(seed=11)  # 640×480
+    small = {"max_pixels": 64 * 28 * 28}
     jobs = [_job("size-big", MediaRef(data=data)),
-            _job("size-small", MediaRef(data=data), image={"max_pixels": 64 * 28 * 28})]  # fmt: skip
+            _job("size-small", MediaRef(data=data), image=small)]  # fmt: skip
     for job in jobs:  # one after the other: the second must meet the first in vLLM's caches
         post(env["broker"].bootstrap, env["topics"]["input"], [job], posted)
         env["collector"].wait_for({job[0]}, START_S, env["worker"])
