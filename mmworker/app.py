@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache
+from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
 from mmworker.jobs import JobRunner
@@ -21,6 +21,8 @@ from preprocess.prepare import warm_up
 
 log = logging.getLogger(__name__)
 
+PRUNE_EVERY_S = 300.0
+
 
 def make_cache(cfg: WorkerConfig) -> FeatureCache:
     if not cfg.cache.enabled:
@@ -28,6 +30,24 @@ def make_cache(cfg: WorkerConfig) -> FeatureCache:
     return DiskFeatureCache(
         cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level
     )
+
+
+def encoder_store_dir(cfg: WorkerConfig) -> Path | None:
+    """Where vLLM's vision-encoder outputs persist (None: not kept across processes)."""
+    if not (cfg.cache.enabled and cfg.cache.encoder_outputs):
+        return None
+    path = cfg.cache.directory / "encoder"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+async def _prune_forever(root: Path, max_bytes: int, pool: ThreadPoolExecutor) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        freed = await loop.run_in_executor(pool, prune_lru_files, root, max_bytes)
+        if freed:
+            log.info("encoder store: pruned %.1f MB", freed / 1e6)
+        await asyncio.sleep(PRUNE_EVERY_S)
 
 
 def model_cache_dir() -> Path:
@@ -66,13 +86,19 @@ async def _serve(
     )
     io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
     engine: Engine | None = None
+    store = encoder_store_dir(cfg)
+    pruning = None
+    if store is not None:
+        pruning = asyncio.create_task(_prune_forever(store, cfg.cache.encoder_max_bytes, io_pool))
     try:
         warming = [cpu_pool.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             k = cfg.kafka
             ensure_topics(k, {k.input_topic: create_topics, k.output_topic: create_topics,
                               k.dead_letter_topic: 1})  # fmt: skip
-        engine = Engine(cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()))
+        engine = Engine(
+            cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()), encoder_store=store
+        )
         engine.start()
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         for f in warming:
@@ -93,6 +119,8 @@ async def _serve(
         )  # fmt: skip
         return code
     finally:
+        if pruning is not None:
+            pruning.cancel()
         if engine is not None:
             engine.shutdown()
         cpu_pool.shutdown(cancel_futures=True)

