@@ -14,7 +14,7 @@ from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_topics
-from mmworker.media import MediaStage
+from mmworker.media import MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
 from mmworker.worker import Worker
 from preprocess.prepare import warm_up
@@ -85,6 +85,7 @@ async def _serve(
         cfg.preprocess.workers, mp_context=multiprocessing.get_context("spawn")
     )
     io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
+    writer = ThreadPoolExecutor(1, "cache-write", initializer=lower_thread_priority)
     engine: Engine | None = None
     store = encoder_store_dir(cfg)
     pruning = None
@@ -107,7 +108,9 @@ async def _serve(
             ready()
         if go is not None:
             await asyncio.to_thread(go)
-        media = MediaStage(cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels)
+        media = MediaStage(
+            cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels, writer
+        )
         runner = JobRunner(cfg, engine, media, metrics)
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
@@ -125,3 +128,4 @@ async def _serve(
             engine.shutdown()
         cpu_pool.shutdown(cancel_futures=True)
         io_pool.shutdown(cancel_futures=True)
+        writer.shutdown(wait=True)  # what was prepared is worth keeping for the next process
