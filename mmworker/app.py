@@ -44,9 +44,13 @@ def encoder_store_dir(cfg: WorkerConfig) -> Path | None:
 async def _prune_forever(root: Path, max_bytes: int, pool: ThreadPoolExecutor) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        freed = await loop.run_in_executor(pool, prune_lru_files, root, max_bytes)
-        if freed:
-            log.info("encoder store: pruned %.1f MB", freed / 1e6)
+        try:
+            freed = await loop.run_in_executor(pool, prune_lru_files, root, max_bytes)
+        except OSError as exc:  # e.g. permissions: keep serving, try again next round
+            log.warning("encoder store: pruning failed: %s", exc)
+        else:
+            if freed:
+                log.info("encoder store: pruned %.1f MB", freed / 1e6)
         await asyncio.sleep(PRUNE_EVERY_S)
 
 
