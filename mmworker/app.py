@@ -13,7 +13,7 @@ from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, pru
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
 from mmworker.jobs import JobRunner
-from mmworker.kafka_io import ensure_topics
+from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
 from mmworker.worker import Worker
@@ -98,9 +98,7 @@ async def _serve(
     try:
         warming = [cpu_pool.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
-            k = cfg.kafka
-            ensure_topics(k, {k.input_topic: create_topics, k.output_topic: create_topics,
-                              k.dead_letter_topic: 1})  # fmt: skip
+            ensure_worker_topics(cfg.kafka, create_topics)
         engine = Engine(
             cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()), encoder_store=store
         )

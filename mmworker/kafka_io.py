@@ -52,6 +52,12 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
     )
 
 
+def ensure_worker_topics(cfg: KafkaConfig, partitions: int) -> None:
+    """The worker's own topics: input and output with `partitions`, the dead-letter topic with 1."""
+    ensure_topics(cfg, {cfg.input_topic: partitions, cfg.output_topic: partitions,
+                        cfg.dead_letter_topic: 1})  # fmt: skip
+
+
 def ensure_topics(cfg: KafkaConfig, topics: dict[str, int], replication: int = 1) -> None:
     """Create missing topics (demo, tests, first deployment); existing ones are left alone."""
     admin = KafkaAdminClient(**cfg.client_kwargs())

@@ -20,14 +20,14 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from types import FrameType
 
 from mmworker.config import WorkerConfig
-from mmworker.kafka_io import ensure_topics
+from mmworker.kafka_io import ensure_worker_topics
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,7 @@ def combined_exit_code(codes: list[int | None]) -> int:
 def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     """Run `cfg.processes` workers; returns when all have exited."""
     if create_topics:
-        k = cfg.kafka
-        ensure_topics(k, {k.input_topic: create_topics, k.output_topic: create_topics,
-                          k.dead_letter_topic: 1})  # fmt: skip
+        ensure_worker_topics(cfg.kafka, create_topics)
     ctx = multiprocessing.get_context("spawn")  # children must not inherit CUDA or threads
     go = ctx.Event()
     children: list[BaseProcess] = []
@@ -117,8 +115,8 @@ def _wait_ready(child: BaseProcess, ready: Event) -> bool:
 def _supervise(children: list[BaseProcess], stopping: Callable[[], bool]) -> int:
     """Wait for every child; the first to exit on its own stops the rest."""
     brought_down = False
-    while any(c.exitcode is None for c in children):
-        time.sleep(0.2)
+    while alive := [c for c in children if c.exitcode is None]:
+        wait([c.sentinel for c in alive], timeout=1.0)  # returns as soon as one exits
         gone = [c for c in children if c.exitcode is not None]
         if gone and not brought_down and not stopping():
             first = gone[0]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from mmworker.broker import EmbeddedBroker
+from mmworker.broker import EmbeddedBroker, free_port
 from mmworker.samples import sample_image, sample_video
 from schemas import GenerationParams, Job, MediaRef
 from tests.integration.workerkit import (
@@ -33,12 +32,6 @@ def _job(job_id: str, ref: MediaRef, **kw: object) -> tuple[str, bytes]:
     return job_id, job.model_dump_json().encode()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:  # type: ignore[type-arg]
     workdir = tmp_path_factory.mktemp("e2e")
@@ -47,7 +40,7 @@ def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Ite
     (workdir / "clip.mp4").write_bytes(sample_video(seconds=3))
     (workdir / "huge.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
     extra = {"preprocess.max_media_bytes": MAX_BYTES, "preprocess.allow_private_networks": True,
-             "metrics_port": _closed_port()}  # fmt: skip
+             "metrics_port": free_port()}  # fmt: skip
     with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
         collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
         yield {
@@ -124,7 +117,7 @@ def test_sixty_mixed_jobs_with_six_bad_ones(env: dict) -> None:  # type: ignore[
         ),
         _job("bad-image", MediaRef(data=truncated)),
         _job("bad-forbidden", MediaRef(uri="file:///etc/passwd")),
-        _job("bad-unreachable", MediaRef(uri=f"http://127.0.0.1:{_closed_port()}/a.jpg")),
+        _job("bad-unreachable", MediaRef(uri=f"http://127.0.0.1:{free_port()}/a.jpg")),
         _job("bad-huge", MediaRef(uri=(env["dir"] / "huge.bin").as_uri())),
     ]
     jobs = good[:20] + bad[:3] + good[20:40] + bad[3:] + good[40:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import time
 import urllib.request
 import uuid
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mmworker.broker import EmbeddedBroker
+from mmworker.broker import EmbeddedBroker, free_port
 from mmworker.samples import sample_image
 from schemas import GenerationParams, Job, MediaRef
 from tests.integration.workerkit import (
@@ -24,12 +23,6 @@ from tests.integration.workerkit import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _metric(port: int, name: str) -> float:
@@ -50,7 +43,7 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
 ) -> None:
     topics = make_topics(broker.bootstrap, "procs")
     group = f"procs-{uuid.uuid4().hex[:6]}"
-    port = _free_port()
+    port = free_port()
     posted = Posted()
     jobs = []
     for i in range(30):
