@@ -156,6 +156,9 @@ class Case:
     note: str = ""
     skipped: dict[str, str] = field(default_factory=dict)  # peer → why it did not run
     params: dict[str, Any] = field(default_factory=dict)
+    #: mmworker with everything but its decoding switched off (video): what an exact sampler
+    #: cannot avoid doing, so how far any exact implementation could get ahead of the peers.
+    floor: Peer | None = None
 
 
 @dataclass
@@ -422,6 +425,7 @@ def video_cases(videos: list[VideoCase]) -> list[Case]:
             warmup=warmup,
             expected=(n, h, w),
             peers={"mmworker": ours_video(params)},
+            floor=decode_floor(ours_video(params)),
             work_units=float(spec.seconds),
             unit="video s/s",
             note=spec.note,
@@ -492,6 +496,92 @@ def _cv2_missing() -> str | None:
     except ImportError as exc:
         return f"OpenCV does not import ({exc})"
     return None
+
+
+# --- the exact-decode floor --------------------------------------------------------------------
+
+
+@dataclass
+class Floor:
+    case: str
+    cpu_s: list[float]
+    median_cpu_s: float
+    cores: int
+    floor_wall_s: float  # median CPU spread perfectly over every core
+    best_speedup: dict[str, float]  # peer → its median wall / floor_wall_s
+
+
+def decode_floor(ours: Peer) -> Peer:
+    """mmworker's own decode work and nothing else: one decoder, no RGB conversion, no resize.
+
+    It decodes exactly the packets mmworker decodes (key frame → chosen frame, non-reference
+    frames skipped): short of parsing every frame's reference lists, the least a sampler
+    returning the exact frames must decode.
+    Spread perfectly over every core, its CPU time bounds the wall time of every exact sampler.
+    """
+    import preprocess.video as video_module
+
+    def blank(frame: Any, size: tuple[int, int], ops: Any) -> Pixels:
+        del frame, ops
+        return np.zeros((size[1], size[0], 3), dtype=np.uint8)
+
+    return _patched(
+        ours.run,
+        {
+            (video_module, "DECODE_THREADS"): 1,
+            (video_module, "ThreadPoolExecutor"): _InlineExecutor,
+            (video_module, "_to_pixels"): blank,
+        },
+    )
+
+
+def time_floors(cases: list[Case], results: list[Result], repeats: int) -> list[Floor]:
+    cores = _usable_cores()
+    floors = []
+    for case in cases:
+        if case.floor is None:
+            continue
+        case.floor.run(case.warmup)
+        cpu = []
+        for _ in range(repeats):
+            started = time.process_time()
+            case.floor.run(case.path)
+            cpu.append(time.process_time() - started)
+        median = statistics.median(cpu)
+        floor_wall = median / cores
+        best = {
+            r.peer: round(r.median_wall_s / floor_wall, 2) for r in results if r.case == case.name
+        }
+        print(f"  {case.name}: decode floor {median:.3f} s CPU", file=sys.stderr)
+        floors.append(
+            Floor(
+                case.name,
+                [round(c, 4) for c in cpu],
+                round(median, 4),
+                cores,
+                round(floor_wall, 4),
+                best,
+            )
+        )
+    return floors
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def floor_table(floors: list[Floor]) -> str:
+    lines = [
+        "| input → output | decode floor, CPU s | ÷ cores = floor wall s "
+        "| best exact speed-up possible vs each implementation |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for f in floors:
+        best = ", ".join(f"{peer} {x:.2f}×" for peer, x in f.best_speedup.items())
+        lines.append(
+            f"| {f.case} | {f.median_cpu_s:.3f} | {f.floor_wall_s:.3f} ({f.cores} cores) | {best} |"
+        )
+    return "\n".join(lines)
 
 
 # --- ablation: mmworker with its speed-ups switched off one by one -----------------------------
@@ -707,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = image_cases(photos) + video_cases(videos)
     results = time_cases(cases, repeats)
+    floors = [] if args.ablation else time_floors(cases, results, repeats)
     env["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     report = {
         "command": " ".join([".venv/bin/python", "bench/preprocess.py", *(argv or sys.argv[1:])]),
@@ -724,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in cases
         ],
         "results": [asdict(r) for r in results],
+        "decode_floors": [asdict(f) for f in floors],
     }
     # The full run's file is the one bench/README.md quotes; the others never overwrite it.
     name = "preprocess" + ("-ablation" if args.ablation else "") + ("-quick" if args.quick else "")
@@ -733,6 +825,9 @@ def main(argv: list[str] | None = None) -> int:
         f"→{env['loadavg_1m_at_end']}; median of {repeats}"
     )
     print(table(results, cases))
+    if floors:
+        print("\nExact-decode floor (mmworker's decoding alone, 1 thread, no RGB/resize):")
+        print(floor_table(floors))
     return 0
 
 

@@ -58,6 +58,9 @@ MAGIC = b"MMFC"
 FORMAT_VERSION = 1
 SUFFIX = ".mmf"
 TMP_SUFFIX = ".tmp"
+#: A temp file older than this is a crashed write, not one in progress: a write takes seconds, and
+#: another worker sharing the directory may be mid-write while this one starts.
+STALE_TMP_S = 3600.0
 #: Hashed into every key so a future change of key derivation cannot collide with old keys.
 _KEY_DOMAIN = "mmworker-feature-cache/1"
 
@@ -348,9 +351,10 @@ class DiskFeatureCache:
                 continue
             for f in shard.iterdir():
                 if f.name.endswith(TMP_SUFFIX):
-                    # A write that crashed before its rename: never visible as an entry.
+                    # Never visible as an entry; removed only once surely abandoned.
                     with contextlib.suppress(FileNotFoundError):
-                        f.unlink()
+                        if time.time() - f.stat().st_mtime > STALE_TMP_S:
+                            f.unlink()
                     continue
                 key = f.name.removesuffix(SUFFIX)
                 if f.suffix != SUFFIX or not _KEY_RE.fullmatch(key) or key[:2] != shard.name:
@@ -400,7 +404,10 @@ class DiskFeatureCache:
                 self._misses += 1
                 # Only delete the file we read: a concurrent put may already have replaced it.
                 if _same_file(path, ino):
-                    path.unlink()
+                    # Another process sharing the directory may have dropped it first; a
+                    # read-only directory keeps it. Either way this job just misses.
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 if not path.exists():
                     self._forget_locked(key)
             return None
@@ -414,7 +421,7 @@ class DiskFeatureCache:
                 # list a file that is gone.
                 self._index[key] = len(blob)
                 self._bytes += len(blob)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone, or a read-only cache: the hit still counts
             os.utime(path)  # recency for the next start's index rebuild
         return value
 

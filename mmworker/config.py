@@ -59,6 +59,16 @@ class KafkaConfig(_Section):
     input_topic: str = Field("mmworker.jobs", description="Where jobs are read from")
     output_topic: str = Field("mmworker.results", description="Where results are written")
     dead_letter_topic: str = Field("mmworker.dead-letter", description="Where failures go")
+    reply_topics: tuple[str, ...] = Field(
+        (),
+        description="Topics a job's reply_topic may name (others: forbidden_reply_topic)",
+    )
+    assignors: tuple[Literal["cooperative-sticky", "range", "roundrobin"], ...] = Field(
+        ("cooperative-sticky",),
+        min_length=1,
+        description="Partition assignors, preferred first; cooperative: a rebalance moves only "
+        "the partitions that change owner",
+    )
     session_timeout_ms: int = Field(10_000, ge=1000, description="Group session timeout")
     heartbeat_interval_ms: int = Field(3_000, ge=100, description="Group heartbeat interval")
     max_poll_interval_ms: int = Field(
@@ -77,6 +87,15 @@ class KafkaConfig(_Section):
     )
     linger_ms: int = Field(5, ge=0, description="Producer batching delay")
     commit_interval_s: float = Field(1.0, gt=0, description="How often done offsets are committed")
+
+    @model_validator(mode="after")
+    def _one_rebalance_protocol(self) -> KafkaConfig:
+        if "cooperative-sticky" in self.assignors and len(set(self.assignors)) > 1:
+            raise ValueError(
+                "assignors: cooperative-sticky cannot be mixed with the eager range/roundrobin; "
+                "kafka-python needs one rebalance protocol per consumer"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sasl_complete(self) -> KafkaConfig:

@@ -42,3 +42,17 @@ class VisualBudgetExceeded(WorkerError):
 
 class JobTimeout(WorkerError):
     code = ErrorCode.JOB_TIMEOUT
+
+
+class ForbiddenReplyTopic(WorkerError):
+    """A job names a reply topic outside `kafka.reply_topics`: producers may not pick any topic
+    (internal ones, other teams', or missing ones that would block the producer on metadata)."""
+
+    code = ErrorCode.FORBIDDEN_REPLY_TOPIC
+
+
+class PublishRefused(WorkerError):
+    """The broker refused a record for good (not retriable): too large, unknown or forbidden
+    topic. Retrying forever would pin the partition's commit, so the job is dead-lettered."""
+
+    code = ErrorCode.PUBLISH_FAILED

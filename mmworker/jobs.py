@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from mmworker.config import WorkerConfig
 from mmworker.engine import Engine, EngineItem
-from mmworker.errors import EngineFatal, JobTimeout, TooManyMedia, VisualBudgetExceeded, WorkerError
+from mmworker.errors import (
+    EngineFatal,
+    ForbiddenReplyTopic,
+    JobTimeout,
+    PublishRefused,
+    TooManyMedia,
+    VisualBudgetExceeded,
+    WorkerError,
+)
 from mmworker.media import MediaStage, PreparedMedia
 from mmworker.metrics import Metrics
 from mmworker.records import Context, build_failure, build_result, visual_tokens
@@ -75,20 +83,39 @@ class JobRunner:
                 self._metrics.retries.inc()
                 await asyncio.sleep(limits.retry_backoff_s * 2 ** (attempts - 1))
                 continue
-            self._metrics.jobs.labels("failure").inc()
-            self._metrics.failures.labels(code.value).inc()
             job_id = getattr(error, "job_id", None)
-            failure = build_failure(
-                code=code, message=message, retryable=retryable, attempts=attempts, raw=raw,
-                ctx=ctx, job=job, job_id=job_id,
-            )  # fmt: skip
-            src = ctx.source
-            key = failure.job_id or ctx.record_key or f"{src.topic}/{src.partition}/{src.offset}"
-            return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
+            return self._dead_letter(code, message, retryable, attempts, raw, ctx, job, job_id)
+
+    def refused(
+        self, outcome: Outcome, error: PublishRefused, raw: bytes | None, ctx: Context
+    ) -> Outcome:
+        """The dead-letter record for a result the broker would not take (see PublishRefused)."""
+        message = f"result for {outcome.topic!r} refused by the broker: {error.message}"
+        job_id = outcome.record.job_id
+        return self._dead_letter(error.code, message, False, 1, raw, ctx, None, job_id)
+
+    def _dead_letter(
+        self, code: ErrorCode, message: str, retryable: bool, attempts: int, raw: bytes | None,
+        ctx: Context, job: Job | None, job_id: str | None,
+    ) -> Outcome:  # fmt: skip
+        self._metrics.jobs.labels("failure").inc()
+        self._metrics.failures.labels(code.value).inc()
+        failure = build_failure(
+            code=code, message=message, retryable=retryable, attempts=attempts, raw=raw,
+            ctx=ctx, job=job, job_id=job_id,
+        )  # fmt: skip
+        src = ctx.source
+        key = failure.job_id or ctx.record_key or f"{src.topic}/{src.partition}/{src.offset}"
+        return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
 
     async def _attempt(self, job: Job, ctx: Context, broker_ts_ms: int) -> Result:
         t0 = time.perf_counter()
         queue_wait_s = time.time() - broker_ts_ms / 1000 if broker_ts_ms > 0 else 0.0
+        if job.reply_topic is not None and job.reply_topic not in self._cfg.kafka.reply_topics:
+            raise ForbiddenReplyTopic(
+                f"reply_topic {job.reply_topic!r} is not one of kafka.reply_topics "
+                f"{list(self._cfg.kafka.reply_topics)}"
+            )
         media = await self._media.prepare(job)
         self._observe_media(media)
         kinds = tuple(m.kind for m in media)

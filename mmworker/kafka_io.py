@@ -14,6 +14,9 @@ from typing import Any
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+from kafka.coordinator.assignors.range import RangePartitionAssignor
+from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
@@ -22,6 +25,12 @@ from mmworker.config import KafkaConfig
 from mmworker.offsets import TopicPartition
 
 log = logging.getLogger(__name__)
+
+_ASSIGNORS = {
+    "cooperative-sticky": CooperativeStickyAssignor,
+    "range": RangePartitionAssignor,
+    "roundrobin": RoundRobinPartitionAssignor,
+}
 
 
 def make_consumer(cfg: KafkaConfig) -> KafkaConsumer:
@@ -37,6 +46,9 @@ def make_consumer(cfg: KafkaConfig) -> KafkaConsumer:
         max_poll_records=cfg.max_poll_records,
         fetch_max_bytes=cfg.fetch_max_bytes,
         max_partition_fetch_bytes=cfg.max_partition_fetch_bytes,
+        # Cooperative (KIP-429) by default: an eager rebalance revokes every partition of every
+        # member, and the jobs in flight on partitions that come straight back run twice.
+        partition_assignment_strategy=[_ASSIGNORS[name] for name in cfg.assignors],
         **cfg.client_kwargs(),
     )
 
@@ -53,9 +65,9 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
 
 
 def ensure_worker_topics(cfg: KafkaConfig, partitions: int) -> None:
-    """The worker's own topics: input and output with `partitions`, the dead-letter topic with 1."""
-    ensure_topics(cfg, {cfg.input_topic: partitions, cfg.output_topic: partitions,
-                        cfg.dead_letter_topic: 1})  # fmt: skip
+    """The worker's own topics: input, output and reply topics with `partitions`, dead-letter 1."""
+    topics = {cfg.input_topic: partitions, cfg.output_topic: partitions, cfg.dead_letter_topic: 1}
+    ensure_topics(cfg, {name: partitions for name in cfg.reply_topics} | topics)
 
 
 def ensure_topics(cfg: KafkaConfig, topics: dict[str, int], replication: int = 1) -> None:

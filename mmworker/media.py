@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from mmworker.cache import FeatureCache, make_key
 from mmworker.config import PreprocessConfig
-from preprocess.fetch import fetch_bytes
+from preprocess.fetch import check_allowed, fetch_bytes
 from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
 from preprocess.prepare import prepare_media
 from preprocess.sniff import sniff
@@ -62,6 +62,8 @@ class MediaStage:
         self._min_image_pixels = min_image_pixels_cached
         self._pending: dict[str, PreparedImage | PreparedVideo] = {}
         self._pending_bytes = 0
+        #: The event loop adds to the backlog and the writer thread subtracts: `+=` is not atomic.
+        self._pending_lock = threading.Lock()
         #: Cache writes are background work (zstd + checksum: ~35 ms of CPU per 16-frame clip).
         #: One low-priority thread keeps them off the cores the engine needs when CPU is scarce
         #: (a 2-core host: cold videos 0.87× → see bench/README.md); past the backlog budget an
@@ -95,15 +97,18 @@ class MediaStage:
         if self._worth_caching(prepared) and got.key not in self._pending:
             # Written in the background: the engine should not wait for zstd. Until the entry is
             # on disk, a repeat finds it in `_pending`.
-            self._pending[got.key] = prepared
-            self._pending_bytes += _nbytes(prepared)
+            with self._pending_lock:
+                self._pending[got.key] = prepared
+                self._pending_bytes += _nbytes(prepared)
             self._writer.submit(self._put, got.key, prepared)
         return PreparedMedia(prepared, got.sha256, got.key, False, got.fetch_s, preprocess_s)
 
     def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""
         if ref.sha256 is not None:
-            # A declared hash names the content before we have it: a hit skips the fetch too.
+            # A declared hash names the content before we have it: a hit skips the fetch too,
+            # but not the rules on where media may come from.
+            check_allowed(ref, self._policy)
             for params in (image, video):
                 key = make_key(ref.sha256, params)
                 hit = self._get(key, params)
@@ -143,8 +148,9 @@ class MediaStage:
             else:
                 self._cache.put_video(key, prepared)
         finally:
-            if self._pending.pop(key, None) is not None:
-                self._pending_bytes -= _nbytes(prepared)
+            with self._pending_lock:
+                if self._pending.pop(key, None) is not None:
+                    self._pending_bytes -= _nbytes(prepared)
 
 
 def _nbytes(prepared: PreparedImage | PreparedVideo) -> int:

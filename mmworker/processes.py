@@ -138,6 +138,10 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        # The supervisor died before the line above took effect: nobody would ever signal us.
+        raise SystemExit(EXIT_START_FAILED)
 
 
 def _as_exit_code(code: int | None) -> int:

@@ -11,6 +11,10 @@ from preprocess.tokens import image_tokens, video_tokens
 from schemas import Failure, Job, MediaFacts, Result, SourceCoords, Timings, Usage
 from schemas.codes import ErrorCode
 
+#: A dead-letter message longer than this is cut: it is for people, and the record must stay
+#: well under the broker's message size limit whatever an exception says.
+MAX_MESSAGE_CHARS = 4096
+
 
 def visual_tokens(media: PreparedMedia) -> int:
     p = media.prepared
@@ -101,7 +105,7 @@ def build_failure(
     return Failure(
         job_id=job.job_id if job else job_id,
         code=code,
-        message=message,
+        message=message[:MAX_MESSAGE_CHARS],
         retryable=retryable,
         attempts=attempts,
         source=ctx.source,

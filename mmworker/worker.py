@@ -17,7 +17,7 @@ from typing import Any
 from kafka.errors import KafkaError
 
 from mmworker.config import WorkerConfig
-from mmworker.errors import EngineFatal
+from mmworker.errors import EngineFatal, PublishRefused, WorkerError
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import RebalanceListener, commit_payload, make_consumer, make_producer, send
 from mmworker.metrics import Metrics
@@ -27,7 +27,7 @@ from schemas import SourceCoords
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ENGINE_DEAD, EXIT_INTERRUPTED = 0, 3, 130
+EXIT_OK, EXIT_ENGINE_DEAD, EXIT_DEAD_LETTER_REFUSED, EXIT_INTERRUPTED = 0, 3, 4, 130
 
 
 class Worker:
@@ -42,7 +42,7 @@ class Worker:
         self._producer: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._fatal: EngineFatal | None = None
+        self._fatal: WorkerError | None = None
         self._paused = False
         self.exit_code = EXIT_OK
 
@@ -78,24 +78,41 @@ class Worker:
     async def _handle(self, tp: TopicPartition, record: Any) -> None:
         ctx = Context(
             SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset),
-            record.key.decode(errors="replace") if record.key else None,
+            # Only a key short enough to reuse as the dead-letter record's key.
+            record.key.decode(errors="replace") if record.key and len(record.key) <= 256 else None,
             self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
         )  # fmt: skip
         try:
             outcome = await self._runner.run(record.value, ctx, record.timestamp or 0)
-            await self._publish(outcome)
+            try:
+                await self._publish(outcome)
+            except PublishRefused as exc:
+                if outcome.kind != "result":
+                    raise
+                log.warning("result of %s refused (%s); dead-lettering it", ctx.source, exc)
+                await self._publish(self._runner.refused(outcome, exc, record.value, ctx))
             self.tracker.done(tp, record.offset)
         except EngineFatal as exc:
-            if self._fatal is None:
-                log.error("engine is dead, stopping without further commits: %s", exc)
-                self._fatal = exc
-                self.exit_code = EXIT_ENGINE_DEAD
-                self._stopping.set()
+            self._stop_fatally(EXIT_ENGINE_DEAD, "engine is dead", exc)
+        except PublishRefused as exc:
+            # Dropping the record would lose the job; retrying would stall the partition: stop,
+            # uncommitted, and let the operator fix the dead-letter topic.
+            self._stop_fatally(EXIT_DEAD_LETTER_REFUSED, "dead-letter topic refuses records", exc)
         finally:
             self._metrics.in_flight.dec()
 
+    def _stop_fatally(self, code: int, what: str, exc: WorkerError) -> None:
+        if self._fatal is None:
+            log.error("%s, stopping without further commits: %s", what, exc)
+            self._fatal = exc
+            self.exit_code = code
+            self._stopping.set()
+
     async def _publish(self, outcome: Outcome) -> None:
-        """Retry until the broker acknowledges: an unacknowledged output must never be committed."""
+        """Retry until the broker acknowledges: an unacknowledged output must never be committed.
+
+        Raises `PublishRefused` when the broker refuses for good (a non-retriable error).
+        """
         value = outcome.record.model_dump_json().encode()
         delay = 0.2
         while True:
@@ -103,6 +120,8 @@ class Worker:
                 await send(self._producer, outcome.topic, outcome.key, value, outcome.kind)
                 return
             except KafkaError as exc:
+                if not exc.retriable:
+                    raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
                 log.warning(
                     "publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay
                 )
@@ -116,10 +135,18 @@ class Worker:
         if not self._paused and held >= limit:
             await self._on_kafka(lambda: self._consumer.pause(*self._consumer.assignment()))
             self._paused = True
+        elif self._paused and held > limit // 2:
+            await self._on_kafka(self._pause_new_partitions)
         elif self._paused and held <= limit // 2:
             await self._on_kafka(lambda: self._consumer.resume(*self._consumer.paused()))
             self._paused = False
         self._metrics.paused.set(1 if self._paused else 0)
+
+    def _pause_new_partitions(self) -> None:
+        """A partition assigned while paused (cooperative rebalance) starts paused too."""
+        fresh = set(self._consumer.assignment()) - set(self._consumer.paused())
+        if fresh:
+            self._consumer.pause(*fresh)
 
     async def _commit(self) -> None:
         if self._fatal is not None:

@@ -70,10 +70,25 @@ def fetch_bytes(ref: MediaRef, policy: FetchPolicy) -> bytes:
     return data
 
 
+def check_allowed(ref: MediaRef, policy: FetchPolicy) -> None:
+    """Raise what fetching `ref` would raise for its address alone, without reading anything.
+
+    For a cache hit found by a declared sha256, which skips the fetch: the job must still be one
+    this worker would have fetched (a forbidden URI stays forbidden when its content is cached).
+    """
+    if ref.uri is None:
+        return
+    if ref.uri.startswith("file://"):
+        _checked_path(ref.uri, policy)
+    else:
+        _vetted_addresses(_parse_http(ref.uri), policy)
+
+
 # --- file:// ---------------------------------------------------------------------------------
 
 
-def _read_file(uri: str, policy: FetchPolicy) -> bytes:
+def _checked_path(uri: str, policy: FetchPolicy) -> tuple[str, str]:
+    """(path as given, real path inside an allowed root), or ForbiddenUri."""
     if not policy.allowed_roots:
         raise ForbiddenUri("file:// URIs are disabled: the worker has no allowed roots configured")
     parts = urlsplit(uri)
@@ -84,9 +99,17 @@ def _read_file(uri: str, policy: FetchPolicy) -> bytes:
         raise ForbiddenUri(f"file URI path {path!r} is not an absolute path")
     # realpath resolves `..` and every symlink, so the containment test sees the real target.
     real = os.path.realpath(path)
-    roots = [os.path.realpath(root) for root in policy.allowed_roots]
-    if not any(_is_within(real, root) for root in roots):
+    if not _in_roots(real, policy):
         raise ForbiddenUri(f"{path} is outside the allowed roots")
+    return path, real
+
+
+def _in_roots(real: str, policy: FetchPolicy) -> bool:
+    return any(_is_within(real, os.path.realpath(root)) for root in policy.allowed_roots)
+
+
+def _read_file(uri: str, policy: FetchPolicy) -> bytes:
+    path, real = _checked_path(uri, policy)
     # O_NOFOLLOW closes the window where the checked path is swapped for a symlink before open;
     # O_NONBLOCK keeps a FIFO from blocking the open so the regular-file check can refuse it.
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
@@ -98,6 +121,12 @@ def _read_file(uri: str, policy: FetchPolicy) -> bytes:
         if exc.errno == errno.ELOOP:
             raise ForbiddenUri(f"{path} became a symlink while being opened") from None
         raise FetchFailed(f"cannot open {path}: {exc.strerror}") from None
+    # O_NOFOLLOW guards the last component only: a parent directory swapped for a symlink between
+    # the check and the open is caught by asking the kernel what was actually opened.
+    opened = f"/proc/self/fd/{fd}"
+    if os.path.exists(opened) and not _in_roots(os.path.realpath(opened), policy):
+        os.close(fd)
+        raise ForbiddenUri(f"{path} moved outside the allowed roots while being opened")
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_size > policy.max_bytes:
         os.close(fd)

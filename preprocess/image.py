@@ -18,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 
 from preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
 from preprocess.params import IMAGE_FACTOR, ImageParams, PreparedImage
-from preprocess.resize import smart_resize
+from preprocess.resize import settle, smart_resize
 
 #: Pillow may open only these; other plugins (EPS runs Ghostscript, for one) are never reached.
 FORMATS: Final = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP")  # JPEG covers MPO too
@@ -95,13 +95,16 @@ def _target_size(size: tuple[int, int], params: ImageParams) -> tuple[int, int]:
             f"image is {width}x{height} = {width * height} pixels; "
             f"the limit is {params.max_source_pixels}"
         )
-    target_h, target_w = smart_resize(
-        height,
-        width,
-        factor=IMAGE_FACTOR,
-        min_pixels=params.min_pixels,
-        max_pixels=params.max_pixels,
-        max_ratio=params.max_ratio,
+    target_h, target_w = settle(
+        *smart_resize(
+            height,
+            width,
+            factor=IMAGE_FACTOR,
+            min_pixels=params.min_pixels,
+            max_pixels=params.max_pixels,
+            max_ratio=params.max_ratio,
+        ),
+        video=False,
     )
     # Rounding a short side down to 28 can push a source just under the ratio limit over it
     # (8191x41 → 8204x28, ratio 293). The engine's processor re-checks the ratio on what we send

@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 #: Bumped whenever a change to this package alters the pixels it produces, so stale cache
 #: entries are never served.
-PREPROCESS_VERSION = 1
+PREPROCESS_VERSION = 2
 
 IMAGE_FACTOR = 28
 MIN_PIXELS = 4 * 28 * 28

@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 
 from preprocess.errors import BadAspectRatio
-from preprocess.params import IMAGE_FACTOR, MAX_PIXELS, MAX_RATIO, MIN_PIXELS
+from preprocess.params import (
+    IMAGE_FACTOR,
+    MAX_PIXELS,
+    MAX_RATIO,
+    MIN_PIXELS,
+    VIDEO_MAX_PIXELS,
+    VIDEO_MIN_PIXELS,
+)
 
 
 def _round_by(n: float, factor: int) -> int:
@@ -49,3 +56,17 @@ def smart_resize(
         h_bar = _ceil_by(height * beta, factor)
         w_bar = _ceil_by(width * beta, factor)
     return h_bar, w_bar
+
+
+def settle(height: int, width: int, *, video: bool) -> tuple[int, int]:
+    """The size the engine's processor keeps when handed an item already resized to this one.
+
+    vLLM's Qwen2.5-VL processor re-runs smart_resize with the model's own bounds (4·28²..16384·28²
+    per image, 128·28²..768·28² per video frame). A size outside them, from a job's cap below the
+    model's floor or the floor branch rounding a thin item under the minimum, would be resized
+    again in the engine, and the visual tokens counted here would not be the ones it used.
+    Resizing straight to the settled size makes the engine's pass a no-op; inside the bounds
+    this returns its input unchanged.
+    """
+    low, high = (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if video else (MIN_PIXELS, MAX_PIXELS)
+    return smart_resize(height, width, min_pixels=low, max_pixels=high, max_ratio=math.inf)

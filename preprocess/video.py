@@ -62,7 +62,7 @@ from PIL import Image
 
 from preprocess.errors import NoFrames, TooLarge, UndecodableVideo, UnsupportedMedia
 from preprocess.params import FRAME_FACTOR, IMAGE_FACTOR, PreparedVideo, VideoParams
-from preprocess.resize import smart_resize
+from preprocess.resize import settle, smart_resize
 
 #: A stretch of unneeded packets at least this long is jumped with a container seek; shorter
 #: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek
@@ -629,13 +629,16 @@ class _Decoder:
         upright = (frame.height, frame.width) if not swap else (frame.width, frame.height)
         if self._target is None:
             self.original_size = (upright[1], upright[0])
-            self._target = smart_resize(
-                upright[0],
-                upright[1],
-                factor=IMAGE_FACTOR,
-                min_pixels=self.params.min_pixels,
-                max_pixels=frame_max_pixels(self.params, self.n_out),
-                max_ratio=self.params.max_ratio,
+            self._target = settle(
+                *smart_resize(
+                    upright[0],
+                    upright[1],
+                    factor=IMAGE_FACTOR,
+                    min_pixels=self.params.min_pixels,
+                    max_pixels=frame_max_pixels(self.params, self.n_out),
+                    max_ratio=self.params.max_ratio,
+                ),
+                video=True,
             )
             if self.on_size_fixed is not None:
                 self.on_size_fixed()

@@ -29,6 +29,9 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"
     JOB_TIMEOUT = "job_timeout"
     INTERNAL_ERROR = "internal_error"
+    #: Added in 1.2.
+    FORBIDDEN_REPLY_TOPIC = "forbidden_reply_topic"
+    PUBLISH_FAILED = "publish_failed"
 
 
 #: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries

@@ -32,7 +32,11 @@ DEFAULT_PROMPTS: dict[str, str] = {
 }
 
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower=True)]
-JobId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
+JOB_ID_MAX_LENGTH = 256
+JobId = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=JOB_ID_MAX_LENGTH, pattern=r"^[^\x00-\x1f]+$"),
+]
 
 
 def _bounded_metadata(value: dict[str, JsonValue]) -> dict[str, JsonValue]:

@@ -7,7 +7,7 @@ import json
 from pydantic import ValidationError
 
 from schemas.errors import InvalidJson, InvalidSchema, UnsupportedVersion
-from schemas.job import Job
+from schemas.job import JOB_ID_MAX_LENGTH, Job
 from schemas.version import SCHEMA_MAJOR, major_of
 
 
@@ -25,7 +25,7 @@ def parse_job(raw: bytes | None) -> Job:
         raise InvalidJson(f"message is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidJson(f"message is JSON {type(doc).__name__}, not an object")
-    job_id = doc.get("job_id") if isinstance(doc.get("job_id"), str) else None
+    job_id = _salvaged_job_id(doc.get("job_id"))
     version = doc.get("schema_version", f"{SCHEMA_MAJOR}.0")
     major = major_of(version)
     if major is None:
@@ -39,6 +39,24 @@ def parse_job(raw: bytes | None) -> Job:
         return Job.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidSchema(_summarise(exc), job_id=job_id) from None
+
+
+def _salvaged_job_id(value: object) -> str | None:
+    """The job id of a message that fails validation, if it is one a Failure can carry.
+
+    It becomes the dead-letter record's key and a field of its JSON: a 900 KB id or one with a
+    lone surrogate (valid to `json.loads`, unencodable as UTF-8) would make that record
+    unpublishable and stall the partition, so such an id is dropped, not copied.
+    """
+    if not isinstance(value, str) or not 1 <= len(value) <= JOB_ID_MAX_LENGTH:
+        return None
+    if any(ord(c) < 0x20 for c in value):
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return None
+    return value
 
 
 def _summarise(exc: ValidationError) -> str:

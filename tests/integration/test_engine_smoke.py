@@ -8,6 +8,7 @@ engine actually produces.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -123,3 +124,59 @@ def test_greedy_output_is_reproducible(tiny_llm: Any) -> None:
     }
     first, second = tiny_llm.generate([request, request], _sampling(), use_tqdm=False)
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "max_pixels"),
+    [
+        (1000, 3000, 28 * 28 * 2),  # a cap below the model's floor: 28×84 would be 3 tokens
+        (300, 260, 28 * 28),  # smallest cap a job may ask for
+    ],
+)
+def test_prepared_image_tokens_are_the_engines(
+    tiny_llm: Any, height: int, width: int, max_pixels: int
+) -> None:
+    """Whatever a job asks for, the size preprocess picks is one the engine keeps as is."""
+    from preprocess.image import prepare_image
+    from preprocess.params import ImageParams
+    from preprocess.tokens import image_tokens
+
+    rgb = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    prepared = prepare_image(buf.getvalue(), ImageParams(min_pixels=28 * 28, max_pixels=max_pixels))
+    h, w = prepared.pixels.shape[:2]
+    (out,) = tiny_llm.generate(
+        {
+            "prompt": _prompt(tiny_llm, "image", "Caption."),
+            "multi_modal_data": {"image": Image.fromarray(prepared.pixels)},
+        },
+        _sampling(),
+        use_tqdm=False,
+    )
+    assert out.prompt_token_ids.count(_token_id(tiny_llm, "<|image_pad|>")) == image_tokens(h, w)
+
+
+def test_prepared_video_tokens_are_the_engines(tiny_llm: Any) -> None:
+    """A per-frame cap below the video processor's floor: frames settle at the floor."""
+    import media_videos as mv
+
+    from preprocess.params import VideoParams
+    from preprocess.tokens import video_tokens
+    from preprocess.video import prepare_video
+
+    data = mv.encode_video(width=320, height=96, n_frames=8, fps=4)
+    tiny = 28 * 28
+    params = VideoParams(fps=4.0, min_frames=4, max_frames=8, min_pixels=tiny, max_pixels=tiny)
+    prepared = prepare_video(data, params)
+    t, h, w = prepared.frames.shape[:3]
+    assert h * w >= VIDEO_MIN_PIXELS
+    (out,) = tiny_llm.generate(
+        {
+            "prompt": _prompt(tiny_llm, "video", "Caption."),
+            "multi_modal_data": {"video": (prepared.frames, prepared.vllm_metadata())},
+        },
+        _sampling(),
+        use_tqdm=False,
+    )
+    assert out.prompt_token_ids.count(_token_id(tiny_llm, "<|video_pad|>")) == video_tokens(t, h, w)

@@ -40,9 +40,11 @@ def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Ite
     (workdir / "clip.mp4").write_bytes(sample_video(seconds=3))
     (workdir / "huge.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
     extra = {"preprocess.max_media_bytes": MAX_BYTES, "preprocess.allow_private_networks": True,
-             "metrics_port": free_port()}  # fmt: skip
+             "metrics_port": free_port(), "kafka.reply_topics": [topics["replies"]]}  # fmt: skip
     with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
-        collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+        collector = Collector(
+            broker.bootstrap, [topics["output"], topics["dlq"], topics["replies"]]
+        )
         yield {
             "broker": broker, "dir": workdir, "topics": topics, "group": group, "worker": worker,
             "collector": collector, "metrics_port": extra["metrics_port"],
@@ -145,6 +147,27 @@ def test_sixty_mixed_jobs_with_six_bad_ones(env: dict) -> None:  # type: ignore[
     got = wait_committed(env["broker"].bootstrap, env["group"], env["topics"]["input"], ends)
     for partition, end in ends.items():
         assert got[partition] is not None and got[partition] >= end, (got, ends)
+
+
+def test_reply_topic_only_where_allowed(env: dict) -> None:  # type: ignore[type-arg]
+    posted = Posted()
+    replies = {"reply-ok": env["topics"]["replies"], "reply-internal": "__consumer_offsets",
+               "reply-other": env["topics"]["input"]}  # fmt: skip
+    jobs = [_job(job_id, MediaRef(data=sample_image(seed=i)), reply_topic=topic)
+            for i, (job_id, topic) in enumerate(replies.items())]  # fmt: skip
+    post(env["broker"].bootstrap, env["topics"]["input"], jobs, posted)
+    env["collector"].wait_for({key for key, _ in jobs}, START_S, env["worker"])
+
+    topic, doc = env["collector"].one("reply-ok")
+    assert topic == env["topics"]["replies"] and doc["text"] is not None, doc
+    for job_id in ("reply-internal", "reply-other"):
+        topic, doc = env["collector"].one(job_id)
+        assert topic == env["topics"]["dlq"], doc
+        assert doc["code"] == "forbidden_reply_topic" and doc["retryable"] is False, doc
+        assert "kafka.reply_topics" in doc["message"]
+    ends = posted.ends()
+    got = wait_committed(env["broker"].bootstrap, env["group"], env["topics"]["input"], ends)
+    assert all(got[p] is not None and got[p] >= end for p, end in ends.items()), (got, ends)
 
 
 def test_repeated_video_is_a_cache_hit_with_counters(env: dict) -> None:  # type: ignore[type-arg]

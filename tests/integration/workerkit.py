@@ -27,11 +27,9 @@ PARTITIONS = 3
 
 def make_topics(bootstrap: str, prefix: str) -> dict[str, str]:
     tag = uuid.uuid4().hex[:6]
-    topics = {k: f"{prefix}-{tag}.{k}" for k in ("input", "output", "dlq")}
+    topics = {k: f"{prefix}-{tag}.{k}" for k in ("input", "output", "dlq", "replies")}
     cfg = KafkaConfig(bootstrap_servers=bootstrap)  # type: ignore[call-arg]
-    ensure_topics(
-        cfg, {topics["input"]: PARTITIONS, topics["output"]: PARTITIONS, topics["dlq"]: 1}
-    )
+    ensure_topics(cfg, {topic: 1 if k == "dlq" else PARTITIONS for k, topic in topics.items()})
     return topics
 
 

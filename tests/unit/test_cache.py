@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from mmworker.cache import (
+    STALE_TMP_S,
     CacheError,
     DiskFeatureCache,
     FeatureCache,
@@ -324,15 +326,21 @@ def test_entry_of_the_wrong_kind_is_treated_as_corrupt(tmp_path: Path) -> None:
     assert c.stats().corrupt == 1 and not c.path_for(key).exists()
 
 
-def test_leftover_temp_file_is_cleaned_on_start(tmp_path: Path) -> None:
+def test_crashed_temp_file_is_cleaned_on_start_a_live_one_kept(tmp_path: Path) -> None:
     c1 = DiskFeatureCache(tmp_path, max_bytes=MB)
     key = key_for("t")
     c1.put_image(key, noise_image(1))
     # What a crash between write and rename leaves behind.
     tmp = c1.path_for(key).parent / f".{key_for('u')}.deadbeef.tmp"
     tmp.write_bytes(c1.path_for(key).read_bytes()[:100])
+    # Another worker sharing the directory, mid-write: its temp file is recent.
+    live = c1.path_for(key).parent / f".{key_for('v')}.cafe.tmp"
+    live.write_bytes(b"partial")
+    stale = time.time() - STALE_TMP_S - 60
+    os.utime(tmp, (stale, stale))
     c2 = DiskFeatureCache(tmp_path, max_bytes=MB)
     assert not tmp.exists()
+    assert live.exists()
     assert c2.stats().entries == 1
     assert c2.stats().bytes == entry_size(c2, key)
     assert c2.get_image(key_for("u")) is None
@@ -428,9 +436,6 @@ def test_concurrent_puts_and_gets_keep_index_consistent(tmp_path: Path) -> None:
 
 
 def test_prune_lru_files_drops_oldest_first_and_keeps_recent(tmp_path: Path) -> None:
-    import os
-    import time
-
     from mmworker.cache import prune_lru_files
 
     now = time.time()

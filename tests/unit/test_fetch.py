@@ -20,7 +20,7 @@ from preprocess.errors import (
     ForbiddenUri,
     TooLarge,
 )
-from preprocess.fetch import fetch_bytes, forbidden_reason, sha256_hex
+from preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason, sha256_hex
 from preprocess.params import FetchPolicy
 from schemas.codes import ErrorCode
 from schemas.job import MediaRef
@@ -106,6 +106,25 @@ def test_symlink_out_of_the_root_is_refused(media_root):
         fetch_bytes(_ref(f"file://{media_root}/link.png"), _policy(media_root))
     with pytest.raises(ForbiddenUri):
         fetch_bytes(_ref(f"file://{media_root}/dirlink/secret.txt"), _policy(media_root))
+
+
+def test_parent_swapped_after_the_check_is_caught_after_open(media_root, monkeypatch):
+    """The window O_NOFOLLOW cannot close: a parent directory replaced by a symlink between the
+    containment check and the open. Simulated by a check that passed on what is now outside."""
+    outside = str(media_root.parent / "secret.txt")
+    monkeypatch.setattr(fetch, "_checked_path", lambda uri, policy: (uri, outside))
+    with pytest.raises(ForbiddenUri, match="moved outside the allowed roots"):
+        fetch_bytes(_ref(f"file://{media_root}/a.png"), _policy(media_root))
+
+
+def test_check_allowed_applies_the_address_rules_without_reading(media_root):
+    policy = _policy(media_root)
+    check_allowed(_ref(f"file://{media_root}/not-there-yet.png"), policy)  # nothing is opened
+    check_allowed(MediaRef(data=b"inline"), policy)
+    with pytest.raises(ForbiddenUri, match="outside the allowed roots"):
+        check_allowed(_ref(f"file://{media_root}/../secret.txt"), policy)
+    with pytest.raises(ForbiddenUri, match="loopback"):
+        check_allowed(_ref("http://127.0.0.1:9/a.png"), policy)
 
 
 def test_symlink_within_the_root_and_symlinked_root_are_fine(media_root, tmp_path):

@@ -273,3 +273,23 @@ def test_every_error_is_typed_and_not_retryable():
         with pytest.raises((UndecodableImage, TooLarge, BadAspectRatio)) as info:
             prepare_image(data, DEFAULT)
         assert not info.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "max_pixels"), [(3000, 1000, 2 * 784), (300, 260, 784)]
+)
+def test_a_cap_below_the_models_floor_settles_where_the_engine_keeps_it(
+    width: int, height: int, max_pixels: int
+) -> None:
+    """vLLM re-runs smart_resize with the model's bounds; the size we pick must be its fixed point,
+    or the tokens the worker counts are not the ones the engine uses."""
+    from preprocess.params import MIN_PIXELS
+
+    data = io.BytesIO()
+    Image.new("RGB", (width, height), (40, 90, 200)).save(data, format="PNG")
+    pixels = prepare_image(
+        data.getvalue(), ImageParams(min_pixels=784, max_pixels=max_pixels)
+    ).pixels
+    h, w = pixels.shape[:2]
+    assert h * w >= MIN_PIXELS
+    assert smart_resize(h, w) == (h, w)

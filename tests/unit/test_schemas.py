@@ -29,7 +29,7 @@ def _job(**over: object) -> bytes:
 
 def test_minimal_job_gets_defaults() -> None:
     job = parse_job(_job())
-    assert job.schema_version == SCHEMA_VERSION == "1.1"
+    assert job.schema_version == SCHEMA_VERSION == "1.2"
     assert job.generation.max_tokens == 128
     assert job.generation.ignore_eos is False
     assert job.instruction(["image"]).startswith("Describe this image")
@@ -79,6 +79,29 @@ def test_error_keeps_job_id_when_it_parsed_that_far() -> None:
         parse_job(_job(media=[]))
     assert info.value.job_id == "j1"
     assert "media" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"job_id": "a\\ud800b", "media": []}',  # lone surrogate: json.loads takes it
+        json.dumps({"job_id": "x" * 900_000, "media": []}).encode(),
+        json.dumps({"job_id": "tab\there", "media": []}).encode(),
+        json.dumps({"job_id": "", "media": []}).encode(),
+    ],
+    ids=["lone-surrogate", "900k-chars", "control-char", "empty"],
+)
+def test_error_drops_a_job_id_no_failure_record_could_carry(raw: bytes) -> None:
+    """The id keys the dead-letter record: an unencodable or huge one makes it unpublishable."""
+    with pytest.raises(InvalidSchema) as info:
+        parse_job(raw)
+    assert info.value.job_id is None
+    failure = Failure(
+        job_id=info.value.job_id, code=info.value.code, message=info.value.message,
+        retryable=False, attempts=1, payload=Failure.bounded_payload(raw)[0],
+        source=SourceCoords(topic="t", partition=0, offset=0), worker_id="w",
+    )  # fmt: skip
+    assert len(failure.model_dump_json().encode()) < 100_000
 
 
 def test_ignore_eos_is_accepted_and_round_trips() -> None:

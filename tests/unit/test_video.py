@@ -301,15 +301,15 @@ def test_frame_budget_follows_qwen_vl_utils() -> None:
 
 
 def test_total_pixel_budget_shrinks_frames() -> None:
-    data = clip("libx264", n_frames=20, fps=10, width=320, height=240)
-    roomy = prepare_video(data, VideoParams(min_pixels=28 * 28 * 4))
-    tight_params = VideoParams(min_pixels=28 * 28 * 4, total_pixels=4 * 28 * 28 * 20)
+    data = clip("libx264", n_frames=20, fps=10, width=640, height=480)
+    roomy = prepare_video(data, VideoParams())
+    tight_params = VideoParams(total_pixels=300_000)  # 4 frames: 150,000 pixels each
     tight = prepare_video(data, tight_params)
     n = tight.frames.shape[0]
     cap = frame_max_pixels(tight_params, n)
-    h, w = smart_resize(240, 320, min_pixels=28 * 28 * 4, max_pixels=cap)
+    h, w = smart_resize(480, 640, min_pixels=VIDEO_MIN_PIXELS, max_pixels=cap)
     assert tight.resized_size == (w, h)
-    assert w * h <= cap < roomy.resized_size[0] * roomy.resized_size[1]
+    assert VIDEO_MIN_PIXELS <= w * h <= cap < roomy.resized_size[0] * roomy.resized_size[1]
     assert indices(tight) == indices(roomy)
 
 

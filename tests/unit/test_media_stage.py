@@ -1,0 +1,55 @@
+"""MediaStage on a real disk cache and thread pools (no engine, no broker)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from mmworker.cache import DiskFeatureCache
+from mmworker.config import PreprocessConfig
+from mmworker.media import MediaStage
+from mmworker.samples import sample_image
+from preprocess.errors import ForbiddenUri
+from schemas import Job, MediaRef
+
+
+def _stage(tmp_path: Path, roots: tuple[Path, ...]) -> tuple[MediaStage, ThreadPoolExecutor]:
+    cfg = PreprocessConfig(allowed_roots=roots)
+    cache = DiskFeatureCache(tmp_path / "cache", max_bytes=64 * 1024 * 1024)
+    pool = ThreadPoolExecutor(2)
+    # writer=pool: the test waits for the write by shutting the pool down.
+    return MediaStage(cfg, cache, cpu_pool=pool, io_pool=pool, writer=pool), pool
+
+
+def test_declared_hash_hit_still_obeys_the_uri_rules(tmp_path: Path) -> None:
+    """A cache hit by declared sha256 skips the fetch, not the rules on where media come from."""
+    allowed, secret = tmp_path / "allowed", tmp_path / "secret"
+    allowed.mkdir()
+    secret.mkdir()
+    data = sample_image(640, 480, seed=5)
+    (allowed / "a.jpg").write_bytes(data)
+    (secret / "a.jpg").write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+
+    stage, pool = _stage(tmp_path, (allowed,))
+    first = asyncio.run(
+        stage.prepare(Job(job_id="j1", media=[MediaRef(uri=(allowed / "a.jpg").as_uri())]))
+    )
+    assert not first[0].cache_hit
+    pool.shutdown(wait=True)  # the background cache write is done
+
+    stage, pool = _stage(tmp_path, (allowed,))
+    hit = asyncio.run(
+        stage.prepare(
+            Job(job_id="j2", media=[MediaRef(uri=(allowed / "a.jpg").as_uri(), sha256=sha)])
+        )
+    )
+    assert hit[0].cache_hit and hit[0].fetch_s == 0.0
+    forbidden = Job(job_id="j3", media=[MediaRef(uri=(secret / "a.jpg").as_uri(), sha256=sha)])
+    with pytest.raises(ForbiddenUri):
+        asyncio.run(stage.prepare(forbidden))
+    pool.shutdown(wait=True)
