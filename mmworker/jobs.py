@@ -135,7 +135,8 @@ class JobRunner:
 
     def _observe_media(self, media: list[PreparedMedia]) -> None:
         for m in media:
-            self._metrics.cache.labels("hit" if m.cache_hit else "miss").inc()
+            result = "hit" if m.cache_hit else "shared" if m.shared_decode else "miss"
+            self._metrics.cache.labels(result).inc()
             self._metrics.stage_seconds.labels("fetch").observe(m.fetch_s)
             self._metrics.stage_seconds.labels("preprocess").observe(m.preprocess_s)
 

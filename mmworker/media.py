@@ -42,6 +42,8 @@ class PreparedMedia:
     cache_hit: bool
     fetch_s: float
     preprocess_s: float
+    #: Not a cache hit, but not decoded for this job either: it joined a decode in progress.
+    shared_decode: bool = False
 
     @property
     def kind(self) -> str:
@@ -64,6 +66,8 @@ class MediaStage:
         self._pending_bytes = 0
         #: The event loop adds to the backlog and the writer thread subtracts: `+=` is not atomic.
         self._pending_lock = threading.Lock()
+        #: Decodes running now, by feature key (event-loop thread only).
+        self._decoding: dict[str, asyncio.Future[PreparedImage | PreparedVideo]] = {}
         #: Cache writes are background work (zstd + checksum: ~35 ms of CPU per 16-frame clip).
         #: One low-priority thread keeps them off the cores the engine needs when CPU is scarce
         #: (a 2-core host: cold videos 0.87× → see bench/README.md); past the backlog budget an
@@ -92,7 +96,9 @@ class MediaStage:
             return PreparedMedia(got.cached, got.sha256, got.key, True, got.fetch_s, got.lookup_s)
         assert got.data is not None
         t0 = time.perf_counter()
-        prepared = await loop.run_in_executor(self._cpu_pool, prepare_media, got.data, image, video)
+        shared = got.key in self._decoding
+        # Shielded: a job that times out leaves the shared decode running for the others.
+        prepared = await asyncio.shield(self._decode(got.key, got.data, image, video))
         preprocess_s = got.lookup_s + time.perf_counter() - t0
         if self._worth_caching(prepared) and got.key not in self._pending:
             # Written in the background: the engine should not wait for zstd. Until the entry is
@@ -101,7 +107,32 @@ class MediaStage:
                 self._pending[got.key] = prepared
                 self._pending_bytes += _nbytes(prepared)
             self._writer.submit(self._put, got.key, prepared)
-        return PreparedMedia(prepared, got.sha256, got.key, False, got.fetch_s, preprocess_s)
+        return PreparedMedia(
+            prepared, got.sha256, got.key, False, got.fetch_s, preprocess_s, shared_decode=shared
+        )
+
+    def _decode(
+        self, key: str, data: bytes, image: ImageParams, video: VideoParams
+    ) -> asyncio.Future[PreparedImage | PreparedVideo]:
+        """One decode per feature key at a time, shared by every job that wants it meanwhile.
+
+        A backfill often posts the same media many times in a row, and a timed-out job's retry
+        asks again for what is still decoding; both would otherwise decode it again, on the
+        cores the running decode needs.
+        """
+        running = self._decoding.get(key)
+        if running is None:
+            loop = asyncio.get_running_loop()
+            running = loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
+            self._decoding[key] = running
+
+            def forget(fut: asyncio.Future[PreparedImage | PreparedVideo]) -> None:
+                del self._decoding[key]
+                if not fut.cancelled():
+                    fut.exception()  # retrieved here: every waiter may have timed out
+
+            running.add_done_callback(forget)
+        return running
 
     def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""

@@ -25,7 +25,10 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.cache = Counter(
-            "mmworker_feature_cache", "Feature cache lookups", ["result"], registry=r
+            "mmworker_feature_cache",
+            "Feature cache lookups: hit, miss, or shared (joined a decode of the same media)",
+            ["result"],
+            registry=r,
         )
         self.engine_busy_seconds = Gauge(
             "mmworker_engine_busy_seconds", "Wall time with at least one request in the engine",

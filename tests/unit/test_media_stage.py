@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig
-from mmworker.media import MediaStage
+from mmworker.media import MediaStage, PreparedMedia
 from mmworker.samples import sample_image
 from preprocess.errors import ForbiddenUri
 from schemas import Job, MediaRef
@@ -53,3 +54,45 @@ def test_declared_hash_hit_still_obeys_the_uri_rules(tmp_path: Path) -> None:
     with pytest.raises(ForbiddenUri):
         asyncio.run(stage.prepare(forbidden))
     pool.shutdown(wait=True)
+
+
+class _SlowCountingPool(ThreadPoolExecutor):
+    """Counts decodes and holds each for 0.5 s, so every job of a burst arrives while it runs."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.submitted: list[str] = []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        self.submitted.append(getattr(fn, "__name__", repr(fn)))
+
+        def slow():  # type: ignore[no-untyped-def]
+            time.sleep(0.5)
+            return fn(*args, **kwargs)
+
+        return super().submit(slow)
+
+
+def test_concurrent_jobs_on_the_same_media_share_one_decode(tmp_path: Path) -> None:
+    data = sample_image(1280, 960, seed=8)
+    cpu = _SlowCountingPool()
+    io = ThreadPoolExecutor(4)
+    cache = DiskFeatureCache(tmp_path / "cache", max_bytes=64 * 1024 * 1024)
+    stage = MediaStage(PreprocessConfig(), cache, cpu_pool=cpu, io_pool=io, writer=io)
+
+    async def burst() -> list[list[PreparedMedia]]:
+        jobs = [Job(job_id=f"j{i}", media=[MediaRef(data=data)]) for i in range(4)]
+        return await asyncio.gather(*(stage.prepare(job) for job in jobs))
+
+    results = [media for (media,) in asyncio.run(burst())]
+    assert cpu.submitted.count("prepare_media") == 1
+    assert sum(m.shared_decode for m in results) == 3
+    assert not any(m.cache_hit for m in results)
+    assert all(m.prepared is results[0].prepared for m in results)
+    # Another size of the same image is another decode.
+    small = Job(job_id="j5", media=[MediaRef(data=data)], image={"max_pixels": 64 * 28 * 28})
+    (other,) = asyncio.run(stage.prepare(small))
+    assert not other.shared_decode and other.key != results[0].key
+    assert cpu.submitted.count("prepare_media") == 2
+    cpu.shutdown()
+    io.shutdown()
