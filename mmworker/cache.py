@@ -352,7 +352,7 @@ class DiskFeatureCache:
             for f in shard.iterdir():
                 if f.name.endswith(TMP_SUFFIX):
                     # Never visible as an entry; removed only once surely abandoned.
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):  # gone, or a read-only cache
                         if time.time() - f.stat().st_mtime > STALE_TMP_S:
                             f.unlink()
                     continue
@@ -474,7 +474,7 @@ class DiskFeatureCache:
             key, size = self._index.popitem(last=False)
             self._bytes -= size
             self._evictions += 1
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone, or a read-only cache: out of the index
                 self.path_for(key).unlink()
 
 

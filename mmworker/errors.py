@@ -52,7 +52,14 @@ class ForbiddenReplyTopic(WorkerError):
 
 
 class PublishRefused(WorkerError):
-    """The broker refused a record for good (not retriable): too large, unknown or forbidden
-    topic. Retrying forever would pin the partition's commit, so the job is dead-lettered."""
+    """The broker (or the producer) refused this one record for good: it is too large.
+    Retrying forever would pin the partition's commit, so the job is dead-lettered."""
+
+    code = ErrorCode.PUBLISH_FAILED
+
+
+class TopicRefused(WorkerError):
+    """A topic refuses every record (authorization, invalid name): dead-lettering the whole
+    stream would be wrong, so the worker stops, uncommitted, for the operator to fix it."""
 
     code = ErrorCode.PUBLISH_FAILED

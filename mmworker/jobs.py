@@ -67,7 +67,6 @@ class JobRunner:
                 result = await asyncio.wait_for(
                     self._attempt(job, ctx, broker_ts_ms), timeout=limits.job_timeout_s
                 )
-                self._metrics.jobs.labels("result").inc()
                 return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
             except EngineFatal:
                 raise
@@ -98,8 +97,6 @@ class JobRunner:
         self, code: ErrorCode, message: str, retryable: bool, attempts: int, raw: bytes | None,
         ctx: Context, job: Job | None, job_id: str | None,
     ) -> Outcome:  # fmt: skip
-        self._metrics.jobs.labels("failure").inc()
-        self._metrics.failures.labels(code.value).inc()
         failure = build_failure(
             code=code, message=message, retryable=retryable, attempts=attempts, raw=raw,
             ctx=ctx, job=job, job_id=job_id,

@@ -130,15 +130,19 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self,
         on_revoked: Callable[[list[TopicPartition]], None],
         on_lost: Callable[[list[TopicPartition]], None],
+        on_assigned: Callable[[list[KafkaTP]], None] | None = None,
     ) -> None:
         self._on_revoked = on_revoked
         self._on_lost = on_lost
+        self._on_assigned = on_assigned
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         self._on_revoked([TopicPartition(tp.topic, tp.partition) for tp in revoked])
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+        if self._on_assigned is not None:
+            self._on_assigned(list(assigned))  # kafka-python's own partitions: pause() takes them
 
     def on_partitions_lost(self, lost: Any) -> None:
         self._on_lost([TopicPartition(tp.topic, tp.partition) for tp in lost])

@@ -50,6 +50,12 @@ class PreparedMedia:
         return "image" if isinstance(self.prepared, PreparedImage) else "video"
 
 
+@dataclass(slots=True)
+class _SharedDecode:
+    future: asyncio.Future[PreparedImage | PreparedVideo]
+    waiters: int = 0
+
+
 class MediaStage:
     def __init__(
         self,
@@ -67,7 +73,7 @@ class MediaStage:
         #: The event loop adds to the backlog and the writer thread subtracts: `+=` is not atomic.
         self._pending_lock = threading.Lock()
         #: Decodes running now, by feature key (event-loop thread only).
-        self._decoding: dict[str, asyncio.Future[PreparedImage | PreparedVideo]] = {}
+        self._decoding: dict[str, _SharedDecode] = {}
         #: Cache writes are background work (zstd + checksum: ~35 ms of CPU per 16-frame clip).
         #: One low-priority thread keeps them off the cores the engine needs when CPU is scarce
         #: (a 2-core host: cold videos 0.87× → see bench/README.md); past the backlog budget an
@@ -96,9 +102,9 @@ class MediaStage:
             return PreparedMedia(got.cached, got.sha256, got.key, True, got.fetch_s, got.lookup_s)
         assert got.data is not None
         t0 = time.perf_counter()
-        shared = got.key in self._decoding
-        # Shielded: a job that times out leaves the shared decode running for the others.
-        prepared = await asyncio.shield(self._decode(got.key, got.data, image, video))
+        running = self._decoding.get(got.key)
+        shared = running is not None and not running.future.cancelled()
+        prepared = await self._decode(got.key, got.data, image, video)
         preprocess_s = got.lookup_s + time.perf_counter() - t0
         if self._worth_caching(prepared) and got.key not in self._pending:
             # Written in the background: the engine should not wait for zstd. Until the entry is
@@ -111,28 +117,37 @@ class MediaStage:
             prepared, got.sha256, got.key, False, got.fetch_s, preprocess_s, shared_decode=shared
         )
 
-    def _decode(
+    async def _decode(
         self, key: str, data: bytes, image: ImageParams, video: VideoParams
-    ) -> asyncio.Future[PreparedImage | PreparedVideo]:
+    ) -> PreparedImage | PreparedVideo:
         """One decode per feature key at a time, shared by every job that wants it meanwhile.
 
-        A backfill often posts the same media many times in a row, and a timed-out job's retry
-        asks again for what is still decoding; both would otherwise decode it again, on the
-        cores the running decode needs.
+        A backfill often posts the same media many times in a row; each would otherwise decode
+        it again, on the cores the running decode needs. The decode is shielded from one job's
+        timeout while others wait for it, and cancelled (dropped from the pool's queue if it
+        has not started) when the last of them leaves, as an unshared one would be.
         """
-        running = self._decoding.get(key)
-        if running is None:
+        shared = self._decoding.get(key)
+        # A cancelled one stays listed until its done-callback runs: never join it.
+        if shared is None or shared.future.cancelled():
             loop = asyncio.get_running_loop()
-            running = loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
-            self._decoding[key] = running
+            future = loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
+            entry = shared = self._decoding[key] = _SharedDecode(future)
 
             def forget(fut: asyncio.Future[PreparedImage | PreparedVideo]) -> None:
-                del self._decoding[key]
+                if self._decoding.get(key) is entry:
+                    del self._decoding[key]
                 if not fut.cancelled():
-                    fut.exception()  # retrieved here: every waiter may have timed out
+                    fut.exception()  # retrieved here: the last waiter may have left
 
-            running.add_done_callback(forget)
-        return running
+            future.add_done_callback(forget)
+        shared.waiters += 1
+        try:
+            return await asyncio.shield(shared.future)
+        finally:
+            shared.waiters -= 1
+            if shared.waiters == 0:
+                shared.future.cancel()  # no-op once done
 
     def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""

@@ -14,20 +14,35 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kafka.errors import KafkaError
+from kafka.errors import (
+    ClusterAuthorizationFailedError,
+    InconsistentGroupProtocolError,
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    TopicAuthorizationFailedError,
+)
 
 from mmworker.config import WorkerConfig
-from mmworker.errors import EngineFatal, PublishRefused, WorkerError
+from mmworker.errors import ConfigError, EngineFatal, PublishRefused, TopicRefused, WorkerError
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import RebalanceListener, commit_payload, make_consumer, make_producer, send
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.records import Context
-from schemas import SourceCoords
+from schemas import Failure, SourceCoords
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ENGINE_DEAD, EXIT_DEAD_LETTER_REFUSED, EXIT_INTERRUPTED = 0, 3, 4, 130
+EXIT_OK, EXIT_ENGINE_DEAD, EXIT_PUBLISH_REFUSED, EXIT_INTERRUPTED = 0, 3, 4, 130
+
+#: Refusals of one record (its size): the job is dead-lettered and the partition moves on.
+RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
+#: Refusals of a whole topic: every record would fail the same way, so the worker stops. Any
+#: other error, retriable or not (kafka-python marks some transient producer errors, such as an
+#: idempotent producer's epoch bump, non-retriable), is retried with backoff.
+TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
 
 
 class Worker:
@@ -52,13 +67,20 @@ class Worker:
         k = self._cfg.kafka
         self._producer = make_producer(k)
         self._consumer = await self._on_kafka(make_consumer, k)
-        listener = RebalanceListener(self._on_revoked, self._on_lost)
+        listener = RebalanceListener(self._on_revoked, self._on_lost, self._on_assigned)
         await self._on_kafka(self._consumer.subscribe, [k.input_topic], listener=listener)
         next_commit = time.monotonic() + k.commit_interval_s
         while not self._stopping.is_set():
             await self._apply_backpressure()
             room = max(1, self._cfg.limits.max_in_flight - self.tracker.in_flight())
-            batches = await self._on_kafka(self._consumer.poll, 200, room)
+            try:
+                batches = await self._on_kafka(self._consumer.poll, 200, room)
+            except InconsistentGroupProtocolError as exc:
+                raise ConfigError(
+                    f"group {k.group_id!r} runs another rebalance protocol than kafka.assignors "
+                    f"{list(k.assignors)}: kafka-python cannot mix cooperative and eager "
+                    "assignors; stop the group's other members first, or use a new group_id"
+                ) from exc
             for records in batches.values():
                 for record in records:
                     self._start(record)
@@ -90,14 +112,16 @@ class Worker:
                 if outcome.kind != "result":
                     raise
                 log.warning("result of %s refused (%s); dead-lettering it", ctx.source, exc)
-                await self._publish(self._runner.refused(outcome, exc, record.value, ctx))
+                outcome = self._runner.refused(outcome, exc, record.value, ctx)
+                await self._publish(outcome)
+            self._count(outcome)
             self.tracker.done(tp, record.offset)
         except EngineFatal as exc:
             self._stop_fatally(EXIT_ENGINE_DEAD, "engine is dead", exc)
-        except PublishRefused as exc:
+        except (PublishRefused, TopicRefused) as exc:
             # Dropping the record would lose the job; retrying would stall the partition: stop,
-            # uncommitted, and let the operator fix the dead-letter topic.
-            self._stop_fatally(EXIT_DEAD_LETTER_REFUSED, "dead-letter topic refuses records", exc)
+            # uncommitted, and let the operator fix the topic.
+            self._stop_fatally(EXIT_PUBLISH_REFUSED, "the broker refuses our records", exc)
         finally:
             self._metrics.in_flight.dec()
 
@@ -108,10 +132,17 @@ class Worker:
             self.exit_code = code
             self._stopping.set()
 
+    def _count(self, outcome: Outcome) -> None:
+        """Outcomes are counted once delivered, so a refused result is not also a result."""
+        self._metrics.jobs.labels(outcome.kind).inc()
+        if isinstance(outcome.record, Failure):
+            self._metrics.failures.labels(outcome.record.code.value).inc()
+
     async def _publish(self, outcome: Outcome) -> None:
         """Retry until the broker acknowledges: an unacknowledged output must never be committed.
 
-        Raises `PublishRefused` when the broker refuses for good (a non-retriable error).
+        Raises `PublishRefused` for a record refused for its size, `TopicRefused` for a topic
+        that refuses everything; see RECORD_REFUSALS and TOPIC_REFUSALS.
         """
         value = outcome.record.model_dump_json().encode()
         delay = 0.2
@@ -119,9 +150,11 @@ class Worker:
             try:
                 await send(self._producer, outcome.topic, outcome.key, value, outcome.kind)
                 return
+            except RECORD_REFUSALS as exc:
+                raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
+            except TOPIC_REFUSALS as exc:
+                raise TopicRefused(f"{outcome.topic}: {type(exc).__name__}: {exc}") from exc
             except KafkaError as exc:
-                if not exc.retriable:
-                    raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
                 log.warning(
                     "publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay
                 )
@@ -135,18 +168,10 @@ class Worker:
         if not self._paused and held >= limit:
             await self._on_kafka(lambda: self._consumer.pause(*self._consumer.assignment()))
             self._paused = True
-        elif self._paused and held > limit // 2:
-            await self._on_kafka(self._pause_new_partitions)
         elif self._paused and held <= limit // 2:
             await self._on_kafka(lambda: self._consumer.resume(*self._consumer.paused()))
             self._paused = False
         self._metrics.paused.set(1 if self._paused else 0)
-
-    def _pause_new_partitions(self) -> None:
-        """A partition assigned while paused (cooperative rebalance) starts paused too."""
-        fresh = set(self._consumer.assignment()) - set(self._consumer.paused())
-        if fresh:
-            self._consumer.pause(*fresh)
 
     async def _commit(self) -> None:
         if self._fatal is not None:
@@ -171,6 +196,12 @@ class Worker:
             self.tracker.committed(offsets)
         self.tracker.forget(revoked)
         log.info("revoked %s (committed %s)", revoked, offsets)
+
+    def _on_assigned(self, assigned: list[Any]) -> None:
+        """Runs inside poll: a partition assigned while paused (a cooperative rebalance adds it to
+        a running assignment) starts paused, before that same poll fetches from it."""
+        if self._paused and assigned:
+            self._consumer.pause(*assigned)
 
     def _on_lost(self, lost: list[TopicPartition]) -> None:
         """Membership is gone: another worker owns these now, so commit nothing."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig
 from mmworker.media import MediaStage, PreparedMedia
 from mmworker.samples import sample_image
-from preprocess.errors import ForbiddenUri
+from preprocess.errors import ForbiddenUri, UndecodableImage
 from schemas import Job, MediaRef
 
 
@@ -56,36 +58,50 @@ def test_declared_hash_hit_still_obeys_the_uri_rules(tmp_path: Path) -> None:
     pool.shutdown(wait=True)
 
 
-class _SlowCountingPool(ThreadPoolExecutor):
-    """Counts decodes and holds each for 0.5 s, so every job of a burst arrives while it runs."""
+class _GatedPool(ThreadPoolExecutor):
+    """One worker thread; every task waits for `gate`, so the test decides when decodes run."""
 
     def __init__(self) -> None:
-        super().__init__(2)
-        self.submitted: list[str] = []
+        super().__init__(1)
+        self.gate = threading.Event()
+        self.started: list[str] = []
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        self.submitted.append(getattr(fn, "__name__", repr(fn)))
-
-        def slow():  # type: ignore[no-untyped-def]
-            time.sleep(0.5)
+        def gated():  # type: ignore[no-untyped-def]
+            self.gate.wait(30)
+            self.started.append(getattr(fn, "__name__", repr(fn)))
             return fn(*args, **kwargs)
 
-        return super().submit(slow)
+        return super().submit(gated)
+
+
+def _gated_stage(tmp_path: Path) -> tuple[MediaStage, _GatedPool, ThreadPoolExecutor]:
+    cpu, io = _GatedPool(), ThreadPoolExecutor(4)
+    cache = DiskFeatureCache(tmp_path / "cache", max_bytes=64 * 1024 * 1024)
+    return MediaStage(PreprocessConfig(), cache, cpu_pool=cpu, io_pool=io, writer=io), cpu, io
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(3000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 30 s")
 
 
 def test_concurrent_jobs_on_the_same_media_share_one_decode(tmp_path: Path) -> None:
     data = sample_image(1280, 960, seed=8)
-    cpu = _SlowCountingPool()
-    io = ThreadPoolExecutor(4)
-    cache = DiskFeatureCache(tmp_path / "cache", max_bytes=64 * 1024 * 1024)
-    stage = MediaStage(PreprocessConfig(), cache, cpu_pool=cpu, io_pool=io, writer=io)
+    stage, cpu, io = _gated_stage(tmp_path)
 
-    async def burst() -> list[list[PreparedMedia]]:
+    async def burst() -> list[PreparedMedia]:
         jobs = [Job(job_id=f"j{i}", media=[MediaRef(data=data)]) for i in range(4)]
-        return await asyncio.gather(*(stage.prepare(job) for job in jobs))
+        tasks = [asyncio.ensure_future(stage.prepare(job)) for job in jobs]
+        await _until(lambda: sum(d.waiters for d in stage._decoding.values()) == 4)
+        cpu.gate.set()
+        return [media for (media,) in await asyncio.gather(*tasks)]
 
-    results = [media for (media,) in asyncio.run(burst())]
-    assert cpu.submitted.count("prepare_media") == 1
+    results = asyncio.run(burst())
+    assert cpu.started.count("prepare_media") == 1
     assert sum(m.shared_decode for m in results) == 3
     assert not any(m.cache_hit for m in results)
     assert all(m.prepared is results[0].prepared for m in results)
@@ -93,6 +109,45 @@ def test_concurrent_jobs_on_the_same_media_share_one_decode(tmp_path: Path) -> N
     small = Job(job_id="j5", media=[MediaRef(data=data)], image={"max_pixels": 64 * 28 * 28})
     (other,) = asyncio.run(stage.prepare(small))
     assert not other.shared_decode and other.key != results[0].key
-    assert cpu.submitted.count("prepare_media") == 2
+    assert cpu.started.count("prepare_media") == 2
+    cpu.shutdown()
+    io.shutdown()
+
+
+def test_a_decode_nobody_waits_for_any_more_is_dropped_from_the_queue(tmp_path: Path) -> None:
+    """What a job timeout did before decodes were shared: the queued work goes, not just the job."""
+    stage, cpu, io = _gated_stage(tmp_path)
+    job = Job(job_id="late", media=[MediaRef(data=sample_image(640, 480, seed=9))])
+    cpu.submit(time.sleep, 0)  # holds the one thread at the gate: the decode stays queued
+
+    async def give_up() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stage.prepare(job), timeout=0.5)
+        await _until(lambda: not stage._decoding)
+
+    asyncio.run(give_up())
+    cpu.gate.set()
+    cpu.shutdown(wait=True)
+    io.shutdown()
+    assert cpu.started == ["sleep"]  # the decode was cancelled while queued: it never ran
+
+
+def test_a_failed_shared_decode_fails_every_waiter_with_the_same_typed_error(
+    tmp_path: Path,
+) -> None:
+    stage, cpu, io = _gated_stage(tmp_path)
+    truncated = sample_image(640, 480, seed=10)[:500]
+
+    async def burst() -> list[BaseException | list[PreparedMedia]]:
+        jobs = [Job(job_id=f"bad{i}", media=[MediaRef(data=truncated)]) for i in range(3)]
+        tasks = [asyncio.ensure_future(stage.prepare(job)) for job in jobs]
+        await _until(lambda: sum(d.waiters for d in stage._decoding.values()) == 3)
+        cpu.gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = asyncio.run(burst())
+    assert [type(o) for o in outcomes] == [UndecodableImage] * 3
+    assert cpu.started.count("prepare_media") == 1
+    assert not stage._decoding
     cpu.shutdown()
     io.shutdown()

@@ -12,14 +12,19 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+from kafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    TopicAuthorizationFailedError,
+)
 
 from mmworker.config import WorkerConfig, load_config
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition
 from mmworker.records import Context
-from mmworker.worker import EXIT_DEAD_LETTER_REFUSED, EXIT_OK, Worker
+from mmworker.worker import EXIT_OK, EXIT_PUBLISH_REFUSED, Worker
 from schemas import Result
 
 OUTPUT, DLQ = "out", "dlq"
@@ -27,24 +32,37 @@ TP = TopicPartition("jobs", 0)
 
 
 class _Future:
+    """kafka-python's FutureRecordMetadata, settled at once: acknowledged, or failed."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
     def add_callback(self, fn: Any) -> None:
-        fn("metadata")  # acknowledged at once
+        if self.error is None:
+            fn("metadata")
 
     def add_errback(self, fn: Any) -> None:
-        del fn
+        if self.error is not None:
+            fn(self.error)
 
 
 class _Producer:
-    """Raises `refuse[topic]`'s errors in turn (as kafka-python's send does), then accepts."""
+    """Fails `refuse[topic]`'s errors in turn, then accepts. kafka-python raises some from
+    send() (the producer's own size check) and reports others through the future (the broker's
+    answer); `broker_side` picks the latter."""
 
-    def __init__(self, refuse: dict[str, list[Exception]]) -> None:
+    def __init__(self, refuse: dict[str, list[Exception]], broker_side: bool = False) -> None:
         self.refuse = refuse
+        self.broker_side = broker_side
         self.sent: list[tuple[str, str, dict[str, Any]]] = []
 
     def send(self, topic: str, *, key: bytes, value: bytes, headers: Any) -> _Future:
         errors = self.refuse.get(topic)
         if errors:
-            raise errors.pop(0)
+            error = errors.pop(0)
+            if self.broker_side:
+                return _Future(error)
+            raise error
         self.sent.append((topic, key.decode(), json.loads(value)))
         return _Future()
 
@@ -70,8 +88,10 @@ def _record() -> Any:
                            value=b'{"job_id": "job-1"}', timestamp=0)  # fmt: skip
 
 
-def test_refused_result_is_dead_lettered_and_the_offset_moves_on() -> None:
-    producer = _Producer({OUTPUT: [MessageSizeTooLargeError("1.2 MB > max_request_size")]})
+@pytest.mark.parametrize("broker_side", [False, True], ids=["producer-check", "broker-answer"])
+def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bool) -> None:
+    too_big = MessageSizeTooLargeError("1.2 MB > max_request_size")
+    producer = _Producer({OUTPUT: [too_big]}, broker_side=broker_side)
     worker, metrics = _worker(producer)
     asyncio.run(worker._handle(TP, _record()))
 
@@ -83,6 +103,9 @@ def test_refused_result_is_dead_lettered_and_the_offset_moves_on() -> None:
     assert worker.tracker.to_commit() == {TP: 8}
     assert worker.exit_code == EXIT_OK
     assert metrics.failures.labels("publish_failed")._value.get() == 1
+    # Counted once, as what was delivered: a failure, not also a result.
+    assert metrics.jobs.labels("failure")._value.get() == 1
+    assert metrics.jobs.labels("result")._value.get() == 0
 
 
 def test_refusing_dead_letter_topic_stops_the_worker_uncommitted() -> None:
@@ -90,14 +113,28 @@ def test_refusing_dead_letter_topic_stops_the_worker_uncommitted() -> None:
     worker, _ = _worker(_Producer({OUTPUT: [too_big], DLQ: [too_big]}))
     asyncio.run(worker._handle(TP, _record()))
 
-    assert worker.exit_code == EXIT_DEAD_LETTER_REFUSED
+    assert worker.exit_code == EXIT_PUBLISH_REFUSED
     assert worker._stopping.is_set()
     assert worker.tracker.to_commit() == {}  # the job is redelivered after the fix
 
 
+def test_a_topic_refusing_everything_stops_the_worker_instead_of_dead_lettering() -> None:
+    """Dead-lettering every result of a stream the worker may not write would be the wrong fix."""
+    producer = _Producer({OUTPUT: [TopicAuthorizationFailedError("no ACL")]}, broker_side=True)
+    worker, _ = _worker(producer)
+    asyncio.run(worker._handle(TP, _record()))
+
+    assert producer.sent == []
+    assert worker.exit_code == EXIT_PUBLISH_REFUSED
+    assert worker.tracker.to_commit() == {}
+
+
 def test_retriable_errors_are_retried_until_acknowledged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(asyncio, "sleep", _no_sleep)
-    producer = _Producer({OUTPUT: [KafkaTimeoutError("metadata"), KafkaTimeoutError("again")]})
+    # KafkaError itself is flagged non-retriable, yet kafka-python hands it to the healthy
+    # records of a batch that held one bad record: resending works.
+    errors: list[Exception] = [KafkaTimeoutError("metadata"), KafkaError("batch sibling")]
+    producer = _Producer({OUTPUT: errors}, broker_side=True)
     worker, _ = _worker(producer)
     asyncio.run(worker._handle(TP, _record()))
 
@@ -110,3 +147,16 @@ _real_sleep = asyncio.sleep
 
 async def _no_sleep(delay: float) -> None:
     await _real_sleep(0)
+
+
+def test_partitions_assigned_while_paused_start_paused() -> None:
+    """A cooperative rebalance adds partitions to a running assignment, inside poll: if the
+    worker is full, they must not be fetched from by that same poll."""
+    paused: list[Any] = []
+    worker, _ = _worker(_Producer({}))
+    worker._consumer = SimpleNamespace(pause=lambda *tps: paused.extend(tps))
+    worker._on_assigned(["jobs-1"])
+    assert paused == []
+    worker._paused = True
+    worker._on_assigned(["jobs-2", "jobs-3"])
+    assert paused == ["jobs-2", "jobs-3"]
