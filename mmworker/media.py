@@ -102,9 +102,7 @@ class MediaStage:
             return PreparedMedia(got.cached, got.sha256, got.key, True, got.fetch_s, got.lookup_s)
         assert got.data is not None
         t0 = time.perf_counter()
-        running = self._decoding.get(got.key)
-        shared = running is not None and not running.future.cancelled()
-        prepared = await self._decode(got.key, got.data, image, video)
+        prepared, shared = await self._decode(got.key, got.data, image, video)
         preprocess_s = got.lookup_s + time.perf_counter() - t0
         if self._worth_caching(prepared) and got.key not in self._pending:
             # Written in the background: the engine should not wait for zstd. Until the entry is
@@ -119,8 +117,9 @@ class MediaStage:
 
     async def _decode(
         self, key: str, data: bytes, image: ImageParams, video: VideoParams
-    ) -> PreparedImage | PreparedVideo:
-        """One decode per feature key at a time, shared by every job that wants it meanwhile.
+    ) -> tuple[PreparedImage | PreparedVideo, bool]:
+        """One decode per feature key at a time, shared by every job that wants it meanwhile;
+        returns the prepared media and whether this job joined a decode already running.
 
         A backfill often posts the same media many times in a row; each would otherwise decode
         it again, on the cores the running decode needs. The decode is shielded from one job's
@@ -129,7 +128,8 @@ class MediaStage:
         """
         shared = self._decoding.get(key)
         # A cancelled one stays listed until its done-callback runs: never join it.
-        if shared is None or shared.future.cancelled():
+        joined = shared is not None and not shared.future.cancelled()
+        if shared is None or not joined:
             loop = asyncio.get_running_loop()
             future = loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
             entry = shared = self._decoding[key] = _SharedDecode(future)
@@ -143,7 +143,7 @@ class MediaStage:
             future.add_done_callback(forget)
         shared.waiters += 1
         try:
-            return await asyncio.shield(shared.future)
+            return await asyncio.shield(shared.future), joined
         finally:
             shared.waiters -= 1
             if shared.waiters == 0:
