@@ -56,6 +56,7 @@ from mmworker.samples import sample_image  # noqa: E402
 from preprocess.image import prepare_image  # noqa: E402
 from preprocess.params import ImageParams, VideoParams  # noqa: E402
 from preprocess.resize import smart_resize  # noqa: E402
+from preprocess.video import _usable_cores as video_cores  # noqa: E402
 from preprocess.video import frame_max_pixels, prepare_video  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
@@ -536,7 +537,7 @@ def decode_floor(ours: Peer) -> Peer:
 
 
 def time_floors(cases: list[Case], results: list[Result], repeats: int) -> list[Floor]:
-    cores = _usable_cores()
+    cores = video_cores()  # the same count the second decoder is gated on
     floors = []
     for case in cases:
         if case.floor is None:
@@ -564,10 +565,6 @@ def time_floors(cases: list[Case], results: list[Result], repeats: int) -> list[
             )
         )
     return floors
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def floor_table(floors: list[Floor]) -> str:
