@@ -14,7 +14,15 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    IPvAnyNetwork,
+    JsonValue,
+    SecretStr,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -59,6 +67,11 @@ class KafkaConfig(_Section):
     input_topic: str = Field("mmworker.jobs", description="Where jobs are read from")
     output_topic: str = Field("mmworker.results", description="Where results are written")
     dead_letter_topic: str = Field("mmworker.dead-letter", description="Where failures go")
+    suspects_topic: str = Field(
+        "mmworker.suspects",
+        description="Compacted topic of jobs that were inside the engine when it died (keyed by "
+        "input topic/partition/offset), shared by every worker of the group",
+    )
     reply_topics: tuple[str, ...] = Field(
         (),
         description="Topics a job's reply_topic may name (others: forbidden_reply_topic)",
@@ -86,6 +99,12 @@ class KafkaConfig(_Section):
         None, description="Producer compression of results and failures"
     )
     linger_ms: int = Field(5, ge=0, description="Producer batching delay")
+    max_block_ms: int = Field(
+        5_000,
+        ge=100,
+        description="Most a producer call may block on metadata or a full buffer before it fails "
+        "and is retried (kafka-python's default is 60 s)",
+    )
     commit_interval_s: float = Field(1.0, gt=0, description="How often done offsets are committed")
 
     @model_validator(mode="after")
@@ -163,6 +182,11 @@ class EngineConfig(_Section):
     )
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0)")
+    mm_processor_cache_gb: float | None = Field(
+        None,
+        ge=0,
+        description="vLLM's multimodal processor cache per process (GiB); unset: vLLM's default",
+    )
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
     )
@@ -207,6 +231,16 @@ class PreprocessConfig(_Section):
     allow_private_networks: bool = Field(
         False, description="Let http(s) URIs reach loopback/private/link-local addresses"
     )
+    deny_networks: tuple[IPvAnyNetwork, ...] = Field(
+        (),
+        description="CIDR blocks http(s) URIs may never reach, on top of the built-in "
+        'special-purpose ranges (e.g. ["168.63.129.16/32"]); wins over allow_networks',
+    )
+    allow_networks: tuple[IPvAnyNetwork, ...] = Field(
+        (),
+        description="CIDR blocks reachable although special-purpose (e.g. an internal media "
+        'server, ["10.1.2.0/24"])',
+    )
     max_media_bytes: int = Field(
         256 * 1024 * 1024, ge=1, description="Larger media fail with too_large"
     )
@@ -224,6 +258,8 @@ class PreprocessConfig(_Section):
             max_bytes=self.max_media_bytes,
             timeout_s=self.fetch_timeout_s,
             allow_private_networks=self.allow_private_networks,
+            deny_networks=tuple(self.deny_networks),
+            allow_networks=tuple(self.allow_networks),
         )
 
     def image_params(self, min_pixels: int | None, max_pixels: int | None) -> ImageParams:
@@ -290,7 +326,21 @@ class LimitsConfig(_Section):
     )
     max_attempts: int = Field(3, ge=1, description="Tries for retryable failures")
     retry_backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each try")
-    job_timeout_s: float = Field(600.0, gt=0, description="One job, fetch to result")
+    job_timeout_s: float = Field(
+        600.0, gt=0, description="One attempt of a job, fetch to result (job_timeout, retried)"
+    )
+    job_deadline_s: float = Field(
+        900.0,
+        gt=0,
+        description="All attempts of a job together; past it no further attempt starts and the "
+        "job is dead-lettered with the last attempt's code",
+    )
+    max_engine_deaths: int = Field(
+        2,
+        ge=1,
+        description="Engine deaths a job may be inside before it is dead-lettered as "
+        "engine_crash instead of run again",
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
 
 

@@ -58,6 +58,7 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
         acks="all",
         enable_idempotence=True,
         linger_ms=cfg.linger_ms,
+        max_block_ms=cfg.max_block_ms,
         max_request_size=cfg.max_request_size,
         compression_type=cfg.compression_type,
         **cfg.client_kwargs(),

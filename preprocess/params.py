@@ -7,6 +7,7 @@ hot path and hashed into feature-cache keys; `cache_key_fields()` is that stable
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from typing import Literal
 
@@ -38,6 +39,9 @@ class FetchPolicy:
     timeout_s: float = 30.0
     allow_private_networks: bool = False
     max_redirects: int = 5
+    #: Operator lists on top of the built-in special-purpose ranges; deny wins over allow.
+    deny_networks: tuple[IPv4Network | IPv6Network, ...] = ()
+    allow_networks: tuple[IPv4Network | IPv6Network, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

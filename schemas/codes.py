@@ -32,6 +32,9 @@ class ErrorCode(StrEnum):
     #: Added in 1.2.
     FORBIDDEN_REPLY_TOPIC = "forbidden_reply_topic"
     PUBLISH_FAILED = "publish_failed"
+    #: Added in 1.3: the job was inside the engine at `limits.max_engine_deaths` engine deaths
+    #: (a "query of death"); it is not run again.
+    ENGINE_CRASH = "engine_crash"
 
 
 #: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries

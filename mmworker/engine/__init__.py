@@ -126,6 +126,7 @@ class Engine:
             "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
             "load_format": cfg.load_format,
             "seed": cfg.seed,
+            "mm_processor_cache_gb": cfg.mm_processor_cache_gb,
             "disable_log_stats": True,
         }
         if _cpu_only():
