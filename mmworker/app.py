@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+from mmworker import lifeline
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
@@ -86,7 +87,9 @@ async def _serve(
     cache = make_cache(cfg)
     # spawn: pool processes must not inherit the engine's threads or CUDA state.
     cpu_pool = ProcessPoolExecutor(
-        cfg.preprocess.workers, mp_context=multiprocessing.get_context("spawn")
+        cfg.preprocess.workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=lifeline.pool_child,
     )
     io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
     writer = ThreadPoolExecutor(1, "cache-write", initializer=lower_thread_priority)
@@ -99,6 +102,7 @@ async def _serve(
         warming = [cpu_pool.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
+        lifeline.arm()  # vLLM's processes leave our process group and die with us
         engine = Engine(
             cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()), encoder_store=store
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mmworker.errors import WorkerError
+from mmworker.exits import ExitCode, Interrupted, stop_on_signals
 
 # Flags for the settings people change most; anything else goes through --set or the environment.
 _RUN_FLAGS: dict[str, tuple[str, type]] = {
@@ -80,10 +82,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     if cfg.processes > 1:
         from mmworker.processes import run_processes
 
-        return run_processes(cfg, create_topics=args.create_topics)
-    from mmworker.app import run_worker
+        code = run_processes(cfg, create_topics=args.create_topics)
+    else:
+        from mmworker.app import run_worker
 
-    return run_worker(cfg, create_topics=args.create_topics)
+        code = run_worker(cfg, create_topics=args.create_topics)
+    _exit_now(code)
+    return code  # pragma: no cover - unreachable
+
+
+def _exit_now(code: int) -> None:
+    """Everything that matters is closed by now; a Kafka client thread still waiting on a broker
+    that never answered must not hold the exit (thread pools are joined at interpreter exit)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -183,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_signals()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -191,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
+    except Interrupted as exc:
+        logging.getLogger("mmworker").info("%s before consuming started: stopped", exc)
+        return ExitCode.OK
     except ValidationError as exc:
         print(f"mmworker: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

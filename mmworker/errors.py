@@ -26,6 +26,13 @@ class EngineFatal(WorkerError):
     code = ErrorCode.ENGINE_ERROR
 
 
+class EngineCrash(WorkerError):
+    """The job was inside the engine at `limits.max_engine_deaths` deaths: a query of death.
+    Running it again would kill the engine of whichever worker takes its partition next."""
+
+    code = ErrorCode.ENGINE_CRASH
+
+
 class RequestFailed(WorkerError):
     """One request failed inside the engine; the job is retried, then dead-lettered."""
 

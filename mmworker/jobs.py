@@ -7,6 +7,7 @@ reported as `internal_error` on the dead-letter topic so the partition keeps flo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from mmworker.config import WorkerConfig
 from mmworker.engine import Engine, EngineItem
 from mmworker.errors import (
+    EngineCrash,
     EngineFatal,
     ForbiddenReplyTopic,
     JobTimeout,
@@ -23,11 +25,12 @@ from mmworker.errors import (
     VisualBudgetExceeded,
     WorkerError,
 )
+from mmworker.gate import EngineGate
 from mmworker.media import MediaStage, PreparedMedia
 from mmworker.metrics import Metrics
 from mmworker.records import Context, build_failure, build_result, visual_tokens
 from preprocess.errors import PreprocessError
-from schemas import Failure, Job, Result, SchemaError, parse_job
+from schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
 from schemas.codes import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -54,34 +57,73 @@ class JobRunner:
         self._engine = engine
         self._media = media
         self._metrics = metrics
+        self._gate = EngineGate()
+        #: Jobs inside the engine now, by request id.
+        self._in_engine: dict[str, SourceCoords] = {}
+        #: The jobs that were inside the engine when it died (set once, at the first death seen).
+        self.dead_with: list[SourceCoords] | None = None
 
-    async def run(self, raw: bytes | None, ctx: Context, broker_ts_ms: int) -> Outcome:
-        """Raises only `EngineFatal` (and cancellation); every other failure becomes a record."""
+    async def run(
+        self, raw: bytes | None, ctx: Context, broker_ts_ms: int, deaths: int = 0
+    ) -> Outcome:
+        """Raises only `EngineFatal` (and cancellation); every other failure becomes a record.
+
+        `deaths`: engine deaths this record was inside before. At `limits.max_engine_deaths` it
+        is dead-lettered unrun; below, but above 0, it runs alone in the engine.
+        """
         limits = self._cfg.limits
+        if deaths >= limits.max_engine_deaths:
+            self._metrics.suspects.labels("condemned").inc()
+            error = EngineCrash(
+                f"the engine died {deaths} times with this job inside "
+                f"(limits.max_engine_deaths = {limits.max_engine_deaths}); not run again"
+            )
+            job = _parsed_or_none(raw)
+            return self._dead_letter(error.code, error.message, False, deaths, raw, ctx, job,
+                                     job.job_id if job else None)  # fmt: skip
+        if deaths:
+            self._metrics.suspects.labels("isolated").inc()
+            log.warning("%s was inside %d engine death(s): running it alone", ctx.source, deaths)
+            async with self._gate.alone():
+                return await self._run(raw, ctx, broker_ts_ms, isolated=True)
+        return await self._run(raw, ctx, broker_ts_ms, isolated=False)
+
+    async def _run(
+        self, raw: bytes | None, ctx: Context, broker_ts_ms: int, isolated: bool
+    ) -> Outcome:
+        limits = self._cfg.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.job_deadline_s
         job: Job | None = None
         attempts = 0
         while True:
             attempts += 1
+            timeout = min(limits.job_timeout_s, deadline - loop.time())
             try:
                 job = parse_job(raw)
                 result = await asyncio.wait_for(
-                    self._attempt(job, ctx, broker_ts_ms), timeout=limits.job_timeout_s
+                    self._attempt(job, ctx, broker_ts_ms, isolated), timeout=timeout
                 )
                 return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
             except EngineFatal:
                 raise
             except TimeoutError:
-                error: Exception = JobTimeout(f"job exceeded {limits.job_timeout_s}s")
+                what = "job" if timeout < limits.job_timeout_s else "attempt"
+                limit = limits.job_deadline_s if what == "job" else limits.job_timeout_s
+                error: Exception = JobTimeout(f"{what} exceeded {limit}s (attempt {attempts})")
             except _TYPED as exc:
                 error = exc
             except Exception as exc:
                 log.exception("unexpected error in job at %s", ctx.source)
                 error = WorkerError(f"internal error: {type(exc).__name__}: {exc}")
             code, message, retryable = _classify(error)
+            backoff = limits.retry_backoff_s * 2 ** (attempts - 1)
             if retryable and attempts < limits.max_attempts:
-                self._metrics.retries.inc()
-                await asyncio.sleep(limits.retry_backoff_s * 2 ** (attempts - 1))
-                continue
+                if loop.time() + backoff < deadline:
+                    self._metrics.retries.inc()
+                    await asyncio.sleep(backoff)
+                    continue
+                message += f" (limits.job_deadline_s = {limits.job_deadline_s}s reached)"
             job_id = getattr(error, "job_id", None)
             return self._dead_letter(code, message, retryable, attempts, raw, ctx, job, job_id)
 
@@ -105,7 +147,7 @@ class JobRunner:
         key = failure.job_id or ctx.record_key or f"{src.topic}/{src.partition}/{src.offset}"
         return Outcome(self._cfg.kafka.dead_letter_topic, key, failure)
 
-    async def _attempt(self, job: Job, ctx: Context, broker_ts_ms: int) -> Result:
+    async def _attempt(self, job: Job, ctx: Context, broker_ts_ms: int, isolated: bool) -> Result:
         t0 = time.perf_counter()
         queue_wait_s = time.time() - broker_ts_ms / 1000 if broker_ts_ms > 0 else 0.0
         if job.reply_topic is not None and job.reply_topic not in self._cfg.kafka.reply_topics:
@@ -122,7 +164,17 @@ class JobRunner:
         request_id = (
             f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
         )
-        out = await self._engine.generate(request_id, instruction, items, job.generation)
+        # A suspect already holds the engine alone; everyone else shares it.
+        async with contextlib.nullcontext() if isolated else self._gate.shared():
+            self._in_engine[request_id] = ctx.source
+            try:
+                out = await self._engine.generate(request_id, instruction, items, job.generation)
+            except EngineFatal:
+                if self.dead_with is None:  # the first to see the death sees everyone inside
+                    self.dead_with = list(self._in_engine.values())
+                raise
+            finally:
+                del self._in_engine[request_id]
         self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
         self._metrics.output_tokens.inc(out.output_tokens)
         return build_result(
@@ -162,6 +214,13 @@ class JobRunner:
                     f"{job.generation.max_tokens} is {need}; max_model_len is "
                     f"{engine_cfg.max_model_len}"
                 )
+
+
+def _parsed_or_none(raw: bytes | None) -> Job | None:
+    try:
+        return parse_job(raw)
+    except SchemaError:
+        return None
 
 
 def _classify(error: Exception) -> tuple[ErrorCode, str, bool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -17,11 +18,12 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig
+from mmworker.errors import ConfigError
 from mmworker.offsets import TopicPartition
 
 log = logging.getLogger(__name__)
@@ -65,19 +67,45 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
     )
 
 
+#: The suspects topic keeps the latest record per key and drops tombstones (suspects.py).
+SUSPECTS_TOPIC_CONFIG = {"cleanup.policy": "compact"}
+
+
 def ensure_worker_topics(cfg: KafkaConfig, partitions: int) -> None:
-    """The worker's own topics: input, output and reply topics with `partitions`, dead-letter 1."""
+    """The worker's own topics: input, output and reply topics with `partitions`, dead-letter 1,
+    and the compacted suspects topic."""
     topics = {cfg.input_topic: partitions, cfg.output_topic: partitions, cfg.dead_letter_topic: 1}
     ensure_topics(cfg, {name: partitions for name in cfg.reply_topics} | topics)
+    ensure_topics(cfg, {cfg.suspects_topic: 1}, configs=SUSPECTS_TOPIC_CONFIG)
 
 
-def ensure_topics(cfg: KafkaConfig, topics: dict[str, int], replication: int = 1) -> None:
+def ensure_suspects_topic(cfg: KafkaConfig) -> None:
+    """The worker needs its suspects topic to start: created if missing (and allowed)."""
+    try:
+        ensure_topics(cfg, {cfg.suspects_topic: 1}, configs=SUSPECTS_TOPIC_CONFIG)
+    except KafkaError as exc:
+        raise ConfigError(
+            f"the suspects topic {cfg.suspects_topic!r} is missing and could not be created "
+            f"({type(exc).__name__}); create it with cleanup.policy=compact, or set "
+            "kafka.suspects_topic"
+        ) from exc
+
+
+def ensure_topics(
+    cfg: KafkaConfig, topics: dict[str, int], replication: int = 1,
+    configs: dict[str, str] | None = None,
+) -> None:  # fmt: skip
     """Create missing topics (demo, tests, first deployment); existing ones are left alone."""
     admin = KafkaAdminClient(**cfg.client_kwargs())
     try:
         existing = set(admin.list_topics())
         new = [
-            NewTopic(name, num_partitions=parts, replication_factor=replication)
+            NewTopic(
+                name,
+                num_partitions=parts,
+                replication_factor=replication,
+                topic_configs=configs or {},
+            )
             for name, parts in topics.items()
             if name not in existing
         ]
@@ -90,8 +118,15 @@ def ensure_topics(cfg: KafkaConfig, topics: dict[str, int], replication: int = 1
         admin.close()
 
 
-async def send(producer: KafkaProducer, topic: str, key: str, value: bytes, kind: str) -> None:
-    """Send and wait for the broker's acknowledgement without blocking the event loop."""
+async def send(
+    producer: KafkaProducer, topic: str, key: str, value: bytes, kind: str,
+    executor: Executor | None = None,
+) -> None:  # fmt: skip
+    """Send and wait for the broker's acknowledgement without blocking the event loop.
+
+    `producer.send` itself may block (missing metadata, a full buffer: up to `max_block_ms`), so
+    it is called on `executor` when one is given.
+    """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
 
@@ -101,9 +136,12 @@ async def send(producer: KafkaProducer, topic: str, key: str, value: bytes, kind
     def failed(exc: BaseException) -> None:
         loop.call_soon_threadsafe(_settle, done, None, exc)
 
-    future = producer.send(
-        topic, key=key.encode(), value=value, headers=[("mmworker-record", kind.encode())]
-    )
+    def submit() -> Any:
+        return producer.send(
+            topic, key=key.encode(), value=value, headers=[("mmworker-record", kind.encode())]
+        )
+
+    future = submit() if executor is None else await loop.run_in_executor(executor, submit)
     future.add_callback(ok)
     future.add_errback(failed)
     await done
@@ -125,7 +163,7 @@ def commit_payload(offsets: dict[TopicPartition, int]) -> dict[KafkaTP, OffsetAn
 
 
 class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Runs on kafka-python's IO thread, so it must not block: commits here are asynchronous."""
+    """Its callbacks run inside `poll()`, on the thread that calls it."""
 
     def __init__(
         self,

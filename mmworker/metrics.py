@@ -34,6 +34,13 @@ class Metrics:
             "mmworker_engine_busy_seconds", "Wall time with at least one request in the engine",
             registry=r,
         )  # fmt: skip
+        self.suspects = Counter(
+            "mmworker_suspect_jobs",
+            "Jobs that were inside a dead engine: isolated (run alone) or condemned "
+            "(dead-lettered as engine_crash)",
+            ["action"],
+            registry=r,
+        )
         self.output_tokens = Counter("mmworker_output_tokens", "Generated tokens", registry=r)
 
     def serve(self, port: int) -> None:

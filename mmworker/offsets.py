@@ -56,14 +56,11 @@ class OffsetTracker:
                 state.next_commit = head + 1
             return True
 
-    def in_flight(self) -> int:
-        """Jobs not yet covered by a commit: running, or done but behind the last commit.
-
-        Counting the done-but-uncommitted ones too is what bounds redelivery after a crash by the
-        in-flight limit: nothing beyond it can have been answered and not committed.
-        """
+    def uncommitted(self) -> int:
+        """Jobs answered but not yet covered by a commit (redelivered after a crash), whether
+        committable now or finished behind a still-running one."""
         with self._lock:
-            return sum(len(s.pending) + len(s.uncommitted) for s in self._parts.values())
+            return sum(len(s.uncommitted) + len(s.finished) for s in self._parts.values())
 
     def to_commit(self, tps: list[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Offsets that advanced since the last commit (the caller commits, then confirms)."""

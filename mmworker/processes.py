@@ -14,12 +14,10 @@ members, so N processes need no coordination of their own beyond three rules:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -27,12 +25,17 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 
 from mmworker.config import WorkerConfig
+from mmworker.exits import ExitCode, Interrupted, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
+from mmworker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ENGINE_DEAD, EXIT_START_FAILED = 0, 3, 1
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+EXIT_OK, EXIT_ENGINE_DEAD, EXIT_START_FAILED = (
+    ExitCode.OK,
+    ExitCode.ENGINE_DEAD,
+    ExitCode.START_FAILED,
+)
 
 
 def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
@@ -134,16 +137,6 @@ def _terminate(children: list[BaseProcess]) -> None:
         child.join()
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        # The supervisor died before the line above took effect: nobody would ever signal us.
-        raise SystemExit(EXIT_START_FAILED)
-
-
 def _as_exit_code(code: int | None) -> int:
     if code is None:
         return EXIT_START_FAILED
@@ -156,11 +149,16 @@ def _child_main(cfg: WorkerConfig, ready: Event, go: Event) -> None:
     consumers behind (as a container runtime would kill them all)."""
     from mmworker.app import run_worker
 
+    stop_on_signals()
     os.setsid()
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(
         level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s [{cfg.worker_id}] %(name)s: %(message)s",
     )
     logging.getLogger("kafka").setLevel(logging.WARNING)
-    raise SystemExit(run_worker(cfg, ready=ready.set, go=go.wait))
+    try:
+        code = run_worker(cfg, ready=ready.set, go=go.wait)
+    except Interrupted:
+        code = ExitCode.OK
+    raise SystemExit(code)

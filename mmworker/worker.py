@@ -2,6 +2,11 @@
 
 Many jobs are in flight at once so vLLM's continuous batching always has work; offsets are committed
 only up to the lowest job whose output the broker has not yet acknowledged (at-least-once).
+
+"In flight" has one meaning: the live-task registry `_live`, keyed by partition and offset. A task
+leaves it only when it has ended, also when it was cancelled for a revoked partition, so the
+in-flight limit holds across rebalances. Every way a task can end is accounted for: a delivered
+outcome, a cancellation, or a fatal stop with a documented exit code; none is silent.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from kafka.errors import (
     ClusterAuthorizationFailedError,
@@ -24,18 +30,27 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 
-from mmworker.config import WorkerConfig
-from mmworker.errors import ConfigError, EngineFatal, PublishRefused, TopicRefused, WorkerError
+from mmworker.config import KafkaConfig, WorkerConfig
+from mmworker.errors import ConfigError, EngineFatal, PublishRefused, TopicRefused
+from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner, Outcome
-from mmworker.kafka_io import RebalanceListener, commit_payload, make_consumer, make_producer, send
+from mmworker.kafka_io import (
+    RebalanceListener,
+    commit_payload,
+    ensure_suspects_topic,
+    make_consumer,
+    make_producer,
+    send,
+)
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.records import Context
+from mmworker.suspects import KafkaSuspects, Suspects
 from schemas import Failure, SourceCoords
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_ENGINE_DEAD, EXIT_PUBLISH_REFUSED, EXIT_INTERRUPTED = 0, 3, 4, 130
+T = TypeVar("T")
 
 #: Refusals of one record (its size): the job is dead-lettered and the partition moves on.
 RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
@@ -43,36 +58,96 @@ RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
 #: other error, retriable or not (kafka-python marks some transient producer errors, such as an
 #: idempotent producer's epoch bump, non-retriable), is retried with backoff.
 TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
+#: Deadlines of the blocking client calls made while stopping or giving partitions up.
+REVOKE_COMMIT_TIMEOUT_MS = 10_000
+CLOSE_TIMEOUT_S = 10.0
+
+_Key = tuple[TopicPartition, int]
+
+
+class Clients(Protocol):
+    """The Kafka clients the loop talks to; the unit tests pass fakes."""
+
+    def consumer(self) -> Any: ...
+    def producer(self) -> Any: ...
+    def suspects(self, producer: Any) -> Suspects: ...
+
+
+class KafkaClients:
+    def __init__(self, cfg: KafkaConfig) -> None:
+        self._cfg = cfg
+
+    def consumer(self) -> Any:
+        return make_consumer(self._cfg)
+
+    def producer(self) -> Any:
+        return make_producer(self._cfg)
+
+    def suspects(self, producer: Any) -> Suspects:
+        ensure_suspects_topic(self._cfg)
+        return KafkaSuspects(self._cfg, producer)
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, runner: JobRunner, metrics: Metrics, model: str) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, runner: JobRunner, metrics: Metrics, model: str,
+        clients: Clients | None = None,
+    ) -> None:  # fmt: skip
         self._cfg = cfg
         self._runner = runner
         self._metrics = metrics
         self._model = model
+        self._clients = clients or KafkaClients(cfg.kafka)
         self.tracker = OffsetTracker()
-        self._kafka = ThreadPoolExecutor(1, thread_name_prefix="kafka")  # the consumer's one thread
+        self._live: dict[_Key, asyncio.Task[None]] = {}
+        self._kafka = ThreadPoolExecutor(1, thread_name_prefix="kafka")  # the consumer's thread
+        # producer.send blocks while metadata is missing or the buffer is full (max_block_ms)
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._consumer: Any = None
         self._producer: Any = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._suspects: Suspects | None = None
         self._stopping = asyncio.Event()
-        self._fatal: WorkerError | None = None
+        self._fatal: BaseException | None = None
         self._paused = False
-        self.exit_code = EXIT_OK
+        self.exit_code = ExitCode.OK
+        metrics.in_flight.set_function(lambda: len(self._live))
+
+    def held(self) -> int:
+        """Jobs not yet covered by a commit: live tasks plus answered-but-uncommitted ones, which
+        bounds redelivery after a crash by `limits.max_in_flight`."""
+        return len(self._live) + self.tracker.uncommitted()
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        self._install_signals(loop)
+        self._loop = asyncio.get_running_loop()
+        self._install_signals(self._loop)
+        try:
+            if await self._until_stopped(self._connect()):
+                await self._consume()
+        except ConfigError:
+            raise
+        except Exception as exc:
+            log.exception("the poll loop failed")
+            self._stop_fatally(ExitCode.INTERNAL, "the poll loop failed", exc)
+        finally:
+            await self._shut_down()
+        return int(self.exit_code)
+
+    async def _connect(self) -> None:
         k = self._cfg.kafka
-        self._producer = make_producer(k)
-        self._consumer = await self._on_kafka(make_consumer, k)
+        self._producer = await self._on_kafka(self._clients.producer)
+        self._suspects = await self._on_kafka(self._clients.suspects, self._producer)
+        await self._on_kafka(self._suspects.refresh)
+        self._consumer = await self._on_kafka(self._clients.consumer)
         listener = RebalanceListener(self._on_revoked, self._on_lost, self._on_assigned)
         await self._on_kafka(self._consumer.subscribe, [k.input_topic], listener=listener)
+
+    async def _consume(self) -> None:
+        k, limits = self._cfg.kafka, self._cfg.limits
         next_commit = time.monotonic() + k.commit_interval_s
         while not self._stopping.is_set():
             await self._apply_backpressure()
-            room = max(1, self._cfg.limits.max_in_flight - self.tracker.in_flight())
+            room = max(1, limits.max_in_flight - self.held())
             try:
                 batches = await self._on_kafka(self._consumer.poll, 200, room)
             except InconsistentGroupProtocolError as exc:
@@ -87,25 +162,29 @@ class Worker:
             if time.monotonic() >= next_commit:
                 await self._commit()
                 next_commit = time.monotonic() + k.commit_interval_s
-        return await self._shut_down()
 
     def _start(self, record: Any) -> None:
         tp = TopicPartition(record.topic, record.partition)
+        key = (tp, record.offset)
         self.tracker.track(tp, record.offset)
-        self._metrics.in_flight.inc()
         task = asyncio.create_task(self._handle(tp, record))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._live[key] = task
+        task.add_done_callback(lambda _t: self._live.pop(key, None))
 
     async def _handle(self, tp: TopicPartition, record: Any) -> None:
+        """Runs one job to a delivered outcome. Every exit is accounted for: done, cancelled
+        (partition revoked, shutdown), or a fatal stop of the worker."""
+        source = SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset)
         ctx = Context(
-            SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset),
+            source,
             # Only a key short enough to reuse as the dead-letter record's key.
             record.key.decode(errors="replace") if record.key and len(record.key) <= 256 else None,
             self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
         )  # fmt: skip
+        assert self._suspects is not None
+        deaths = self._suspects.deaths(source)
         try:
-            outcome = await self._runner.run(record.value, ctx, record.timestamp or 0)
+            outcome = await self._runner.run(record.value, ctx, record.timestamp or 0, deaths)
             try:
                 await self._publish(outcome)
             except PublishRefused as exc:
@@ -115,17 +194,22 @@ class Worker:
                 outcome = self._runner.refused(outcome, exc, record.value, ctx)
                 await self._publish(outcome)
             self._count(outcome)
+            if deaths:
+                await self._off_loop(self._suspects.clear, source)
             self.tracker.done(tp, record.offset)
+        except asyncio.CancelledError:
+            raise
         except EngineFatal as exc:
-            self._stop_fatally(EXIT_ENGINE_DEAD, "engine is dead", exc)
+            self._stop_fatally(ExitCode.ENGINE_DEAD, "engine is dead", exc)
         except (PublishRefused, TopicRefused) as exc:
             # Dropping the record would lose the job; retrying would stall the partition: stop,
             # uncommitted, and let the operator fix the topic.
-            self._stop_fatally(EXIT_PUBLISH_REFUSED, "the broker refuses our records", exc)
-        finally:
-            self._metrics.in_flight.dec()
+            self._stop_fatally(ExitCode.PUBLISH_REFUSED, "the broker refuses our records", exc)
+        except Exception as exc:
+            log.exception("job at %s failed unexpectedly", source)
+            self._stop_fatally(ExitCode.INTERNAL, f"job at {source} failed unexpectedly", exc)
 
-    def _stop_fatally(self, code: int, what: str, exc: WorkerError) -> None:
+    def _stop_fatally(self, code: ExitCode, what: str, exc: BaseException) -> None:
         if self._fatal is None:
             log.error("%s, stopping without further commits: %s", what, exc)
             self._fatal = exc
@@ -137,6 +221,10 @@ class Worker:
         self._metrics.jobs.labels(outcome.kind).inc()
         if isinstance(outcome.record, Failure):
             self._metrics.failures.labels(outcome.record.code.value).inc()
+            log.warning(
+                "dead-lettered %s job_id=%s code=%s: %s", outcome.record.source,
+                outcome.record.job_id, outcome.record.code.value, outcome.record.message,
+            )  # fmt: skip
 
     async def _publish(self, outcome: Outcome) -> None:
         """Retry until the broker acknowledges: an unacknowledged output must never be committed.
@@ -148,7 +236,8 @@ class Worker:
         delay = 0.2
         while True:
             try:
-                await send(self._producer, outcome.topic, outcome.key, value, outcome.kind)
+                await send(self._producer, outcome.topic, outcome.key, value, outcome.kind,
+                           self._publisher)  # fmt: skip
                 return
             except RECORD_REFUSALS as exc:
                 raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
@@ -164,7 +253,7 @@ class Worker:
     async def _apply_backpressure(self) -> None:
         """Pause all partitions while full, resume at half: polling goes on, keeping membership."""
         limit = self._cfg.limits.max_in_flight
-        held = self.tracker.in_flight()
+        held = self.held()
         if not self._paused and held >= limit:
             await self._on_kafka(lambda: self._consumer.pause(*self._consumer.assignment()))
             self._paused = True
@@ -188,52 +277,124 @@ class Worker:
         self.tracker.committed(offsets)
         self._metrics.commits.inc()
 
+    # Rebalance callbacks: they run on the Kafka thread, inside poll().
+
     def _on_revoked(self, revoked: list[TopicPartition]) -> None:
-        """Commit what is done for the partitions we give up, then stop tracking them."""
+        """Commit what is done for the partitions we give up (synchronously, with a deadline:
+        the next owner starts from it), then stop their jobs: the next owner redoes them."""
         offsets = self.tracker.to_commit(revoked) if self._fatal is None else {}
         if offsets:
-            self._consumer.commit_async(commit_payload(offsets))
-            self.tracker.committed(offsets)
-        self.tracker.forget(revoked)
+            try:
+                self._consumer.commit(commit_payload(offsets), timeout_ms=REVOKE_COMMIT_TIMEOUT_MS)
+                self.tracker.committed(offsets)
+            except KafkaError as exc:
+                self._metrics.commit_errors.inc()
+                log.warning("commit on revoke failed (%s): those jobs will be redone", exc)
+        self._drop(revoked)
         log.info("revoked %s (committed %s)", revoked, offsets)
-
-    def _on_assigned(self, assigned: list[Any]) -> None:
-        """Runs inside poll: a partition assigned while paused (a cooperative rebalance adds it to
-        a running assignment) starts paused, before that same poll fetches from it."""
-        if self._paused and assigned:
-            self._consumer.pause(*assigned)
 
     def _on_lost(self, lost: list[TopicPartition]) -> None:
         """Membership is gone: another worker owns these now, so commit nothing."""
-        self.tracker.forget(lost)
+        self._drop(lost)
         log.warning("lost %s", lost)
 
-    async def _shut_down(self) -> int:
-        if self._fatal is None and self._tasks:
+    def _on_assigned(self, assigned: list[Any]) -> None:
+        """A partition assigned while paused (a cooperative rebalance adds it to a running
+        assignment) starts paused, before this same poll fetches from it. Suspects are read up
+        to now first: the partition may come from a worker whose engine just died."""
+        if assigned and self._suspects is not None:
+            self._suspects.refresh()
+        if self._paused and assigned:
+            self._consumer.pause(*assigned)
+
+    def _drop(self, tps: list[TopicPartition]) -> None:
+        self.tracker.forget(tps)
+        gone = set(tps)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cancel_where, lambda k: k[0] in gone)
+
+    def _cancel_where(self, match: Callable[[_Key], bool]) -> None:
+        for key, task in list(self._live.items()):
+            if match(key):
+                task.cancel()
+
+    async def _shut_down(self) -> None:
+        if self._fatal is None and self._live:
             grace = self._cfg.limits.shutdown_grace_s
-            log.info("draining %d in-flight jobs (up to %.0fs)", len(self._tasks), grace)
-            await asyncio.wait(set(self._tasks), timeout=grace)
-        for task in list(self._tasks):
+            log.info("draining %d in-flight jobs (up to %.0fs)", len(self._live), grace)
+            await asyncio.wait(set(self._live.values()), timeout=grace)
+            if self._live:
+                log.warning(
+                    "shutdown grace (%.0fs) expired: abandoning %d jobs, uncommitted (they "
+                    "will be redelivered)", grace, len(self._live),
+                )  # fmt: skip
+        tasks = list(self._live.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._commit()
-        await self._on_kafka(self._consumer.close, False)
-        self._producer.flush()
-        self._producer.close()
-        self._kafka.shutdown(wait=True)
-        return self.exit_code
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(self._fatal, EngineFatal):
+            await self._record_suspects()
+        if self._consumer is not None:
+            await self._commit()
+            await self._bounded(self._on_kafka(self._consumer.close, False, CLOSE_TIMEOUT_S * 1000))
+        if self._suspects is not None:
+            await self._bounded(self._on_kafka(self._suspects.close))
+        if self._producer is not None:
+            await self._bounded(self._off_loop(self._producer.flush, CLOSE_TIMEOUT_S))
+            await self._bounded(self._off_loop(self._producer.close, CLOSE_TIMEOUT_S))
+        self._kafka.shutdown(wait=False)
+        self._publisher.shutdown(wait=False)
+
+    async def _record_suspects(self) -> None:
+        """The jobs inside the engine when it died, for whoever runs them next (suspects.py)."""
+        sources = self._runner.dead_with
+        if not sources or self._suspects is None:
+            return
+        log.error(
+            "engine died with %d jobs inside; recording them as suspects (they will run alone, "
+            "and one inside at %d deaths is dead-lettered as engine_crash)",
+            len(sources), self._cfg.limits.max_engine_deaths,
+        )  # fmt: skip
+        try:
+            await self._off_loop(self._suspects.record_deaths, sources, self._cfg.worker_id)
+        except KafkaError as exc:
+            log.error("could not record suspects (%s): they will run in batches again", exc)
+
+    async def _bounded(self, call: Awaitable[object]) -> None:
+        """A client call while stopping: it must not hold the exit forever, nor fail it."""
+        try:
+            await asyncio.wait_for(call, CLOSE_TIMEOUT_S + 1)
+        except (TimeoutError, KafkaError, OSError) as exc:
+            log.warning("while stopping: %s", exc or type(exc).__name__)
+
+    async def _until_stopped(self, work: Awaitable[None]) -> bool:
+        """Run start-up work, but give up on it when a stop is asked (a broker that does not
+        answer must not hold SIGTERM for the client's whole connect timeout)."""
+        job = asyncio.ensure_future(work)
+        stop = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait({job, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if job.done():
+            job.result()
+            return not self._stopping.is_set()
+        job.cancel()
+        return False
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
         def on_signal(signum: int) -> None:
             if self._stopping.is_set():
                 log.warning("second %s: exiting now", signal.Signals(signum).name)
-                os._exit(EXIT_INTERRUPTED)
+                os._exit(ExitCode.INTERRUPTED)
             log.info("%s: finishing in-flight jobs, then exiting", signal.Signals(signum).name)
             self._stopping.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
 
-    async def _on_kafka(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _on_kafka(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._kafka, lambda: fn(*args, **kwargs))
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._publisher, lambda: fn(*args))

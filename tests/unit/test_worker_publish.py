@@ -7,7 +7,6 @@ Retrying a non-retriable refusal forever would pin the partition's commit and, o
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,65 +19,32 @@ from kafka.errors import (
 )
 
 from mmworker.config import WorkerConfig, load_config
+from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition
 from mmworker.records import Context
-from mmworker.worker import EXIT_OK, EXIT_PUBLISH_REFUSED, Worker
+from mmworker.worker import Worker
 from schemas import Result
+from tests.unit.loopkit import Producer, Suspects
 
 OUTPUT, DLQ = "out", "dlq"
 TP = TopicPartition("jobs", 0)
 
 
-class _Future:
-    """kafka-python's FutureRecordMetadata, settled at once: acknowledged, or failed."""
-
-    def __init__(self, error: Exception | None = None) -> None:
-        self.error = error
-
-    def add_callback(self, fn: Any) -> None:
-        if self.error is None:
-            fn("metadata")
-
-    def add_errback(self, fn: Any) -> None:
-        if self.error is not None:
-            fn(self.error)
-
-
-class _Producer:
-    """Fails `refuse[topic]`'s errors in turn, then accepts. kafka-python raises some from
-    send() (the producer's own size check) and reports others through the future (the broker's
-    answer); `broker_side` picks the latter."""
-
-    def __init__(self, refuse: dict[str, list[Exception]], broker_side: bool = False) -> None:
-        self.refuse = refuse
-        self.broker_side = broker_side
-        self.sent: list[tuple[str, str, dict[str, Any]]] = []
-
-    def send(self, topic: str, *, key: bytes, value: bytes, headers: Any) -> _Future:
-        errors = self.refuse.get(topic)
-        if errors:
-            error = errors.pop(0)
-            if self.broker_side:
-                return _Future(error)
-            raise error
-        self.sent.append((topic, key.decode(), json.loads(value)))
-        return _Future()
-
-
-def _worker(producer: _Producer) -> tuple[Worker, Metrics]:
+def _worker(producer: Producer) -> tuple[Worker, Metrics]:
     cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
     metrics = Metrics()
     runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
     result = Result.model_construct(job_id="job-1", text="a caption")
 
-    async def run(raw: bytes | None, ctx: Context, ts: int) -> Outcome:
+    async def run(raw: bytes | None, ctx: Context, ts: int, deaths: int = 0) -> Outcome:
         return Outcome(OUTPUT, "job-1", result)
 
     runner.run = run  # type: ignore[method-assign]
     worker = Worker(cfg, runner, metrics, "tiny")
     worker._producer = producer
+    worker._suspects = Suspects()
     worker.tracker.track(TP, 7)
     return worker, metrics
 
@@ -91,7 +57,7 @@ def _record() -> Any:
 @pytest.mark.parametrize("broker_side", [False, True], ids=["producer-check", "broker-answer"])
 def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bool) -> None:
     too_big = MessageSizeTooLargeError("1.2 MB > max_request_size")
-    producer = _Producer({OUTPUT: [too_big]}, broker_side=broker_side)
+    producer = Producer({OUTPUT: [too_big]}, broker_side=broker_side)
     worker, metrics = _worker(producer)
     asyncio.run(worker._handle(TP, _record()))
 
@@ -101,7 +67,7 @@ def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bo
     assert "MessageSizeTooLargeError" in failure["message"] and OUTPUT in failure["message"]
     assert failure["source"] == {"topic": "jobs", "partition": 0, "offset": 7}
     assert worker.tracker.to_commit() == {TP: 8}
-    assert worker.exit_code == EXIT_OK
+    assert worker.exit_code == ExitCode.OK
     assert metrics.failures.labels("publish_failed")._value.get() == 1
     # Counted once, as what was delivered: a failure, not also a result.
     assert metrics.jobs.labels("failure")._value.get() == 1
@@ -110,22 +76,22 @@ def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bo
 
 def test_refusing_dead_letter_topic_stops_the_worker_uncommitted() -> None:
     too_big = MessageSizeTooLargeError("too big")
-    worker, _ = _worker(_Producer({OUTPUT: [too_big], DLQ: [too_big]}))
+    worker, _ = _worker(Producer({OUTPUT: [too_big], DLQ: [too_big]}))
     asyncio.run(worker._handle(TP, _record()))
 
-    assert worker.exit_code == EXIT_PUBLISH_REFUSED
+    assert worker.exit_code == ExitCode.PUBLISH_REFUSED
     assert worker._stopping.is_set()
     assert worker.tracker.to_commit() == {}  # the job is redelivered after the fix
 
 
 def test_a_topic_refusing_everything_stops_the_worker_instead_of_dead_lettering() -> None:
     """Dead-lettering every result of a stream the worker may not write would be the wrong fix."""
-    producer = _Producer({OUTPUT: [TopicAuthorizationFailedError("no ACL")]}, broker_side=True)
+    producer = Producer({OUTPUT: [TopicAuthorizationFailedError("no ACL")]}, broker_side=True)
     worker, _ = _worker(producer)
     asyncio.run(worker._handle(TP, _record()))
 
     assert producer.sent == []
-    assert worker.exit_code == EXIT_PUBLISH_REFUSED
+    assert worker.exit_code == ExitCode.PUBLISH_REFUSED
     assert worker.tracker.to_commit() == {}
 
 
@@ -134,7 +100,7 @@ def test_retriable_errors_are_retried_until_acknowledged(monkeypatch: pytest.Mon
     # KafkaError itself is flagged non-retriable, yet kafka-python hands it to the healthy
     # records of a batch that held one bad record: resending works.
     errors: list[Exception] = [KafkaTimeoutError("metadata"), KafkaError("batch sibling")]
-    producer = _Producer({OUTPUT: errors}, broker_side=True)
+    producer = Producer({OUTPUT: errors}, broker_side=True)
     worker, _ = _worker(producer)
     asyncio.run(worker._handle(TP, _record()))
 
@@ -153,7 +119,7 @@ def test_partitions_assigned_while_paused_start_paused() -> None:
     """A cooperative rebalance adds partitions to a running assignment, inside poll: if the
     worker is full, they must not be fetched from by that same poll."""
     paused: list[Any] = []
-    worker, _ = _worker(_Producer({}))
+    worker, _ = _worker(Producer({}))
     worker._consumer = SimpleNamespace(pause=lambda *tps: paused.extend(tps))
     worker._on_assigned(["jobs-1"])
     assert paused == []

@@ -1,0 +1,55 @@
+"""The worker's exit codes, in one place: orchestrators and the README read them.
+
+An orchestrator restarts on any non-zero code; the codes tell an operator what to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from enum import IntEnum
+from types import FrameType
+
+
+class ExitCode(IntEnum):
+    #: Stopped as asked (SIGTERM/SIGINT): in-flight jobs drained, or none had started yet.
+    OK = 0
+    #: A worker process of a `processes = N` set failed to start.
+    START_FAILED = 1
+    #: Configuration or usage error, found before any job was taken.
+    USAGE = 2
+    #: The engine died; nothing further was committed and the jobs inside it are suspects.
+    ENGINE_DEAD = 3
+    #: The broker refuses our records for a whole topic (authorization, invalid name).
+    PUBLISH_REFUSED = 4
+    #: A bug: a job or the poll loop failed with an error no code path expected.
+    INTERNAL = 5
+    #: A second SIGTERM/SIGINT: stop at once, without draining (jobs are redelivered).
+    INTERRUPTED = 130
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT before the worker consumes: unwinds start-up (model load, broker connect)
+    so the process stops at once, with `ExitCode.OK`. A BaseException, so that no
+    `except Exception` in a library on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_on_signals() -> None:
+    """Installed on the first line of the program: from then on a signal has a defined effect.
+    The first SIGTERM/SIGINT raises `Interrupted` in the main thread; a second one exits at once.
+    The poll loop later replaces these with handlers that drain in-flight jobs."""
+
+    seen: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        if seen:
+            os._exit(ExitCode.INTERRUPTED)
+        seen.append(signum)
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)

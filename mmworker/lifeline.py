@@ -1,0 +1,74 @@
+"""Tie vLLM's own processes to the worker that started them.
+
+vLLM starts its engine core (and, on GPUs, model-executor processes) as children of the worker.
+Two things go wrong with them by default:
+
+- they share the worker's process group, so a terminal's Ctrl-C (SIGINT to the foreground group)
+  reaches the engine core directly; it aborts every running request at once, and the worker would
+  see truncated generations instead of deciding how to stop;
+- when the worker is SIGKILLed they live on as orphans, and an orphaned engine core keeps most of
+  the GPU memory, so the restarted worker cannot start.
+
+This module is registered as a vLLM general plugin (pyproject entry point), which vLLM loads in
+each of its processes. It acts only where the worker asked for it through the environment, so
+other vLLM users of the same environment are unaffected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+
+log = logging.getLogger(__name__)
+
+#: Set by the worker before it starts the engine: its own pid.
+ENV = "MMWORKER_LIFELINE_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def arm() -> None:
+    """Called by the worker before vLLM starts: children spawned from now on take part."""
+    os.environ[ENV] = str(os.getpid())
+
+
+def install() -> None:
+    """vLLM plugin hook: in a child of an armed worker, leave its process group and die with it."""
+    owner = os.environ.get(ENV)
+    if not owner or int(owner) == os.getpid():
+        return  # not started by a worker, or the worker's own process (the front end)
+    die_with_parent()
+    # Own process group: signals for the worker's group (Ctrl-C, `kill -INT -PGID`) skip us;
+    # the worker stops the engine through vLLM's shutdown.
+    try:
+        os.setpgid(0, 0)
+    except PermissionError:  # already a session leader: already out of the worker's group
+        log.debug("engine process %d keeps its process group", os.getpid())
+
+
+def pool_child() -> None:
+    """Initializer of the worker's preprocessing processes: the same ties as the engine's, and
+    SIGINT ignored (a Ctrl-C would otherwise break the pool under the jobs still draining)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    try:
+        os.setpgid(0, 0)
+    except PermissionError:
+        log.debug("pool process %d keeps its process group", os.getpid())
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies; exit now if the parent is already gone.
+
+    The second check closes the window between the parent's death and the prctl call, which in
+    a spawned child comes seconds after start (imports).
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)

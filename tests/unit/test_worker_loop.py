@@ -1,0 +1,238 @@
+"""The poll loop against in-memory clients: backpressure, commit cadence, rebalances, suspects
+and every fatal path. The integration tests cover the same against the real broker and engine;
+here each rule is pinned down exactly and fast."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from kafka.errors import MessageSizeTooLargeError
+
+from mmworker.errors import EngineFatal
+from mmworker.exits import ExitCode
+from mmworker.offsets import TopicPartition
+from mmworker.suspects import suspect_key
+from schemas import SourceCoords
+from schemas.codes import ErrorCode
+from tests.unit.loopkit import (
+    DLQ,
+    INPUT,
+    OUTPUT,
+    Consumer,
+    Producer,
+    Suspects,
+    failure_codes,
+    make_worker,
+    run_until,
+)
+
+P0, P1 = TopicPartition(INPUT, 0), TopicPartition(INPUT, 1)
+
+
+def src(partition: int, offset: int) -> SourceCoords:
+    return SourceCoords(topic=INPUT, partition=partition, offset=offset)
+
+
+def test_backpressure_bounds_held_jobs_and_everything_is_answered_and_committed() -> None:
+    consumer = Consumer({0: 60, 1: 60})
+    held: list[int] = []
+
+    async def behave(_s: SourceCoords) -> None:
+        held.append(worker.held())
+        await asyncio.sleep(0.005)
+
+    worker, _, producer, _, metrics = make_worker(consumer, behave, max_in_flight=8)
+    code = asyncio.run(run_until(worker, lambda: consumer.committed() == {P0: 60, P1: 60}))
+
+    assert code == ExitCode.OK
+    assert len(producer.on(OUTPUT)) == 120
+    assert max(held) <= 8, max(held)
+    assert max(consumer.max_records_seen) <= 8  # never asks for more than there is room for
+    assert any(m < 8 for m in consumer.max_records_seen)
+    assert metrics.jobs.labels("result")._value.get() == 120
+
+
+def test_commit_waits_for_the_lowest_unfinished_offset() -> None:
+    consumer = Consumer({0: 10})
+    release = asyncio.Event()
+
+    async def behave(s: SourceCoords) -> None:
+        if s.offset == 0:
+            await release.wait()
+
+    worker, _, producer, _, _ = make_worker(consumer, behave)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(worker.run())
+        while len(producer.on(OUTPUT)) < 9:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # several commit intervals
+        assert consumer.committed().get(P0) is None  # offsets 1-9 done, 0 not: nothing to commit
+        release.set()
+        while consumer.committed().get(P0) != 10:
+            await asyncio.sleep(0.01)
+        worker._stopping.set()
+        return await task
+
+    assert asyncio.run(scenario()) == ExitCode.OK
+
+
+@pytest.mark.parametrize("how", ["revoke", "lose"])
+def test_giving_up_a_partition_cancels_its_jobs_and_commits_only_on_revoke(how: str) -> None:
+    consumer = Consumer({0: 4, 1: 4})
+    blocked = asyncio.Event()
+
+    async def behave(s: SourceCoords) -> None:
+        if s.partition == 1 and s.offset >= 2:
+            await blocked.wait()  # never set: these are in flight when the partition goes
+
+    worker, _, producer, _, _ = make_worker(consumer, behave)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(worker.run())
+        while len(producer.on(OUTPUT)) < 6:  # p0: 0-3, p1: 0-1
+            await asyncio.sleep(0.01)
+        assert len(worker._live) == 2
+        consumer.pending_rebalance = (how, [P1])
+        while worker._live:
+            await asyncio.sleep(0.01)
+        worker._stopping.set()
+        return await task
+
+    assert asyncio.run(scenario()) == ExitCode.OK
+    assert len(producer.on(OUTPUT)) == 6  # the cancelled two published nothing
+    committed = consumer.committed()
+    assert committed[P0] == 4
+    if how == "revoke":
+        assert committed[P1] == 2  # what was done, synchronously, before letting go
+    else:
+        assert P1 not in committed  # lost: another member owns it, commit nothing
+
+
+def test_engine_death_stops_uncommitted_and_records_everyone_inside_as_suspects() -> None:
+    consumer = Consumer({0: 3, 1: 3})
+    inside = asyncio.Event()
+    entered: list[SourceCoords] = []
+
+    async def behave(s: SourceCoords) -> None:
+        entered.append(s)
+        if len(entered) == 6:
+            inside.set()
+        await inside.wait()
+        if s == src(1, 2):
+            raise EngineFatal("engine died: test")
+        await asyncio.sleep(10)
+
+    worker, _, producer, suspects, _ = make_worker(consumer, behave)
+    code = asyncio.run(run_until(worker, lambda: worker._fatal is not None))
+
+    assert code == ExitCode.ENGINE_DEAD
+    assert producer.on(OUTPUT) == [] and consumer.commits == []
+    (recorded,) = suspects.recorded
+    assert sorted(recorded, key=lambda s: (s.partition, s.offset)) == sorted(
+        entered, key=lambda s: (s.partition, s.offset)
+    )
+    assert consumer.closed and producer.flushed and producer.closed
+
+
+def test_a_job_at_max_engine_deaths_is_dead_lettered_unrun_and_the_partition_moves_on() -> None:
+    consumer = Consumer({0: 5})
+    suspects = Suspects({suspect_key(src(0, 2)): 2})
+
+    async def behave(_s: SourceCoords) -> None:
+        await asyncio.sleep(0)
+
+    worker, runner, producer, _, metrics = make_worker(consumer, behave, suspects=suspects)
+    assert asyncio.run(run_until(worker, lambda: consumer.committed() == {P0: 5})) == 0
+
+    assert "p0-o2" not in runner.started
+    assert failure_codes(producer) == [ErrorCode.ENGINE_CRASH]
+    (failure,) = producer.on(DLQ)
+    assert failure["retryable"] is False and failure["job_id"] == "p0-o2"
+    assert failure["source"] == {"topic": INPUT, "partition": 0, "offset": 2}
+    assert suspects.cleared == [suspect_key(src(0, 2))]
+    assert metrics.suspects.labels("condemned")._value.get() == 1
+
+
+def test_a_suspect_runs_alone_and_is_cleared_when_it_finishes() -> None:
+    consumer = Consumer({0: 6, 1: 6})
+    suspects = Suspects({suspect_key(src(1, 3)): 1})
+    alone_with: list[set[str]] = []
+
+    async def behave(s: SourceCoords) -> None:
+        if s == src(1, 3):
+            alone_with.append(set(runner.running))
+        await asyncio.sleep(0.02)
+
+    worker, runner, producer, _, _ = make_worker(consumer, behave, suspects=suspects)
+    done = {P0: 6, P1: 6}
+    assert asyncio.run(run_until(worker, lambda: consumer.committed() == done)) == 0
+
+    assert alone_with == [{"p1-o3"}]
+    assert runner.max_running > 1  # the others did share the engine
+    assert len(producer.on(OUTPUT)) == 12
+    assert suspects.cleared == [suspect_key(src(1, 3))]
+
+
+def test_refused_dead_letter_stops_with_exit_4() -> None:
+    too_big = MessageSizeTooLargeError("too big")
+    producer = Producer({OUTPUT: [too_big], DLQ: [too_big]})
+    consumer = Consumer({0: 1})
+
+    async def behave(_s: SourceCoords) -> None:
+        return None
+
+    worker, *_ = make_worker(consumer, behave, producer=producer)
+    assert asyncio.run(run_until(worker, lambda: worker._fatal is not None)) == 4
+    assert consumer.commits == []
+
+
+def test_an_unexpected_error_in_a_job_task_stops_the_worker_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A non-Kafka error from producer.send used to end the task silently: its offset pending
+    forever, the partition never committed again, the worker heartbeating as healthy."""
+
+    class Broken(Producer):
+        def send(self, topic: str, **kwargs: Any) -> Any:
+            raise ValueError("serializer bug")
+
+    consumer = Consumer({0: 2})
+
+    async def behave(_s: SourceCoords) -> None:
+        return None
+
+    worker, *_ = make_worker(consumer, behave, producer=Broken())
+    code = asyncio.run(run_until(worker, lambda: worker._fatal is not None))
+
+    assert code == ExitCode.INTERNAL
+    assert "failed unexpectedly" in caplog.text and "serializer bug" in caplog.text
+    assert consumer.commits == [] and consumer.closed
+
+
+def test_a_poll_error_still_shuts_down_cleanly() -> None:
+    """kafka-python re-raises a rebalance listener's exception from poll()."""
+    consumer = Consumer({0: 0})
+    consumer.poll_error = RuntimeError("listener blew up")
+
+    async def behave(_s: SourceCoords) -> None:
+        return None
+
+    worker, _, producer, _, _ = make_worker(consumer, behave)
+    assert asyncio.run(worker.run()) == ExitCode.INTERNAL
+    assert consumer.closed and producer.flushed and producer.closed
+
+
+def test_shutdown_grace_expiry_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    consumer = Consumer({0: 2})
+
+    async def behave(_s: SourceCoords) -> None:
+        await asyncio.sleep(30)
+
+    worker, *_ = make_worker(consumer, behave, shutdown_grace_s=0.1)
+    code = asyncio.run(run_until(worker, lambda: len(worker._live) == 2))
+    assert code == ExitCode.OK
+    assert "abandoning 2 jobs" in caplog.text
+    assert consumer.commits == []
