@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from mmworker.cache import FeatureCache, make_key
 from mmworker.config import PreprocessConfig
-from preprocess.fetch import check_allowed, fetch_bytes
+from preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
 from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
 from preprocess.prepare import prepare_media
 from preprocess.sniff import sniff
@@ -93,11 +93,28 @@ class MediaStage:
             job.video.max_frames,
             job.video.max_pixels,
         )
-        return list(await asyncio.gather(*(self._one(ref, image, video) for ref in job.media)))
+        items = [asyncio.ensure_future(self._one(ref, image, video)) for ref in job.media]
+        try:
+            return list(await asyncio.gather(*items))
+        finally:
+            # The job fails with its first failed item; the others are no use to it any more,
+            # and a fetch among them would hold an I/O thread until its deadline (no-op if done).
+            for item in items:
+                item.cancel()
 
     async def _one(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> PreparedMedia:
         loop = asyncio.get_running_loop()
-        got = await loop.run_in_executor(self._io_pool, self._acquire, ref, image, video)
+        handle = FetchHandle()
+        try:
+            got = await loop.run_in_executor(
+                self._io_pool, self._acquire, ref, image, video, handle
+            )
+        except asyncio.CancelledError:
+            # Cancelling the await only drops a call still queued; one already running would keep
+            # its I/O thread on a slow or hostile server until the fetch deadline, and a few
+            # timed-out jobs (each retried) would then hold every thread of the pool.
+            handle.abort()
+            raise
         if got.cached is not None:
             return PreparedMedia(got.cached, got.sha256, got.key, True, got.fetch_s, got.lookup_s)
         assert got.data is not None
@@ -149,7 +166,9 @@ class MediaStage:
             if shared.waiters == 0:
                 shared.future.cancel()  # no-op once done
 
-    def _acquire(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> _Acquired:
+    def _acquire(
+        self, ref: MediaRef, image: ImageParams, video: VideoParams, handle: FetchHandle
+    ) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""
         if ref.sha256 is not None:
             # A declared hash names the content before we have it: a hit skips the fetch too,
@@ -161,7 +180,7 @@ class MediaStage:
                 if hit is not None:
                     return _Acquired(None, ref.sha256, key, hit, 0.0, 0.0)
         t0 = time.perf_counter()
-        data = fetch_bytes(ref, self._policy)
+        data = fetch_bytes(ref, self._policy, handle)
         sha = hashlib.sha256(data).hexdigest()
         t1 = time.perf_counter()
         params = image if sniff(data).kind == "image" else video

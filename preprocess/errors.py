@@ -10,12 +10,17 @@ class PreprocessError(Exception):
 
     code: ErrorCode = ErrorCode.INTERNAL_ERROR
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
         super().__init__(message)
         self.message = message
+        #: Set where one instance of a usually-transient code is known to be permanent (a server
+        #: that breaks HTTP will break it again on the retry); None follows the code.
+        self._retryable = retryable
 
     @property
     def retryable(self) -> bool:
+        if self._retryable is not None:
+            return self._retryable
         return self.code in RETRYABLE_CODES
 
 
@@ -23,8 +28,28 @@ class ForbiddenUri(PreprocessError):
     code = ErrorCode.FORBIDDEN_URI
 
 
+class MalformedUri(ForbiddenUri):
+    """A URI (the job's, or a redirect's Location) that cannot name a server: never retried,
+    since parsing it again gives the same answer."""
+
+
 class FetchFailed(PreprocessError):
     code = ErrorCode.FETCH_FAILED
+
+
+class BadResponse(FetchFailed):
+    """The server broke HTTP/1.1 or went over one of the response limits.
+
+    Not retryable by default: the same server answers the retry the same way, and each retry of a
+    hostile server costs the worker another fetch deadline.
+    """
+
+    def __init__(self, message: str, *, retryable: bool | None = False) -> None:
+        super().__init__(message, retryable=retryable)
+
+
+class FetchAborted(FetchFailed):
+    """The job that wanted the bytes gave up (timeout, cancellation) and stopped the fetch."""
 
 
 class FetchTimeout(PreprocessError):

@@ -3,37 +3,49 @@
 URIs come from producers, so every fetch is treated as untrusted input: file:// is confined to
 configured roots, and http(s):// refuses internal addresses (cloud metadata, loopback admin ports,
 the private network) unless the operator opts in. Sizes and time are bounded because one slow or
-huge download must not stall a worker that serves many jobs.
+huge download must not stall a worker that serves many jobs, and servers are treated as hostile
+too: one wall-clock deadline covers every receive of the whole fetch (see `preprocess.http1`), and
+the job that started a fetch can stop it through a `FetchHandle`.
 
 Synchronous by design: it runs in a thread or process pool next to decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
-import http.client
 import ipaddress
 import os
+import re
 import socket
 import ssl
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
+from preprocess import netpolicy
 from preprocess.errors import (
+    BadResponse,
     ChecksumMismatch,
+    FetchAborted,
     FetchFailed,
     FetchTimeout,
     ForbiddenUri,
+    MalformedUri,
+    PreprocessError,
     TooLarge,
 )
+from preprocess.http1 import Reader
+from preprocess.netpolicy import forbidden_reason
 from preprocess.params import FetchPolicy
 from schemas.job import MediaRef
 
-_CHUNK = 64 * 1024
+__all__ = ["FetchHandle", "check_allowed", "fetch_bytes", "forbidden_reason", "sha256_hex"]
+
 _URL_SAFE = "/%:@!$&'()*+,;=?"
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _HEADERS = {
@@ -43,16 +55,71 @@ _HEADERS = {
     "Accept-Encoding": "identity",
     "Connection": "close",
 }
-#: NAT64 embeds an IPv4 address in the low 32 bits; it must be judged as that IPv4 address.
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+#: One DNS label (RFC 1123, plus "_", which real hosts use) after IDNA encoding.
+_LABEL = re.compile(r"[a-z0-9_-]{1,63}")
+#: A last label of digits (or 0x-hex) makes the whole name an IPv4 literal, maybe a short one.
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def fetch_bytes(ref: MediaRef, policy: FetchPolicy) -> bytes:
-    """Return the media bytes of `ref`, verified against `ref.sha256` when it is given."""
+class FetchHandle:
+    """Lets whoever waits for a fetch stop it from another thread.
+
+    A thread blocked in recv() cannot be interrupted, but shutting its socket down ends the read
+    at once. A job that times out or is cancelled calls `abort()`, so the pool thread running its
+    fetch is free again instead of serving a hostile server until the fetch deadline: otherwise a
+    handful of such jobs, each retried, would hold every thread of the worker's I/O pool.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def abort(self) -> None:
+        """Stop the fetch: its thread raises `FetchAborted` promptly. Safe from any thread, any
+        number of times, and before or after the fetch ran."""
+        with self._lock:
+            self._aborted = True
+            sock = self._sock
+            if sock is not None:
+                # socket.socket's own shutdown, not SSLSocket's, which also drops its TLS state
+                # under the feet of the thread reading it. OSError: not connected yet (the fetch
+                # checks the flag after connecting) or already closed; nothing left to stop.
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def _hold(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._aborted:
+                sock.close()
+                raise FetchAborted("the fetch was stopped by the job that started it")
+            self._sock = sock
+
+    def _release(self, sock: socket.socket) -> None:
+        """Forget `sock` before closing it, so that abort() never shuts down a reused fd."""
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+        sock.close()
+
+    def _check(self) -> None:
+        if self._aborted:
+            raise FetchAborted("the fetch was stopped by the job that started it")
+
+
+def fetch_bytes(ref: MediaRef, policy: FetchPolicy, handle: FetchHandle | None = None) -> bytes:
+    """Return the media bytes of `ref`, verified against `ref.sha256` when it is given.
+
+    `handle`, when given, lets another thread stop an http(s) fetch in progress.
+    """
     if ref.data is not None:
         data = ref.data
         if len(data) > policy.max_bytes:
@@ -60,7 +127,7 @@ def fetch_bytes(ref: MediaRef, policy: FetchPolicy) -> bytes:
     elif ref.uri is not None and ref.uri.startswith("file://"):
         data = _read_file(ref.uri, policy)
     elif ref.uri is not None:
-        data = _fetch_http(ref.uri, policy)
+        data = _fetch_http(ref.uri, policy, handle or FetchHandle())
     else:  # pragma: no cover - MediaRef's validator guarantees one source
         raise ForbiddenUri("media ref has neither uri nor data")
     if ref.sha256 is not None:
@@ -153,48 +220,113 @@ def _is_within(path: str, root: str) -> bool:
 @dataclass(frozen=True, slots=True)
 class _Target:
     scheme: str
-    host: str
+    host: str  # ASCII (IDNA-encoded) name or IP literal, without brackets
     port: int
+    netloc: str  # as sent in the Host header
     path: str  # path and query, as sent in the request line
     shown: str  # the URL without userinfo or query: signed URLs carry secrets in the query
 
 
-def _fetch_http(uri: str, policy: FetchPolicy) -> bytes:
-    """GET `uri`, following redirects by hand so that every hop's address is vetted."""
+def _fetch_http(uri: str, policy: FetchPolicy, handle: FetchHandle) -> bytes:
+    """GET `uri`, following redirects by hand so that every hop's address is vetted.
+
+    One deadline covers the whole fetch, redirects included: a chain of slow hops must not
+    multiply the time limit.
+    """
     deadline = time.monotonic() + policy.timeout_s
     url = uri
-    for _ in range(policy.max_redirects + 1):
-        target = _parse_http(url)
-        addresses = _vetted_addresses(target, policy)
-        location = _get(target, addresses, policy, deadline)
-        if isinstance(location, bytes):
-            return location
-        url = urljoin(url, location)
-    raise FetchFailed(
-        f"more than {policy.max_redirects} redirects fetching {_parse_http(uri).shown}"
-    )
+    try:
+        for _ in range(policy.max_redirects + 1):
+            handle._check()
+            target = _parse_http(url)
+            addresses = _vetted_addresses(target, policy)
+            location = _get(target, addresses, policy, deadline, handle)
+            if isinstance(location, bytes):
+                return location
+            try:
+                url = urljoin(url, location)
+            except ValueError as exc:
+                raise BadResponse(
+                    f"{target.shown} redirected to a malformed URI {_clip(location)}: {exc}"
+                ) from None
+    except PreprocessError:
+        # A stopped fetch surfaces as whatever the shut-down socket caused (end of stream,
+        # broken pipe); say what really happened.
+        if handle.aborted:
+            raise FetchAborted("the fetch was stopped by the job that started it") from None
+        raise
+    raise FetchFailed(f"more than {policy.max_redirects} redirects fetching {_clip(uri)}")
+
+
+def _clip(url: str) -> str:
+    """`url` for an error message: no query or fragment (signed URLs carry secrets there)."""
+    return repr(url.split("?", 1)[0].split("#", 1)[0][:200])
 
 
 def _parse_http(url: str) -> _Target:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise ForbiddenUri(f"redirect to a {scheme or 'relative'}:// URI is not allowed")
+    """Split and check `url`; anything malformed is a permanent `MalformedUri`, never the bare
+    ValueError urllib raises (which would be an internal error and a stack trace)."""
     try:
-        port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError:
-        raise ForbiddenUri(f"URI has an invalid port: {url[:200]!r}") from None
-    host = parts.hostname
-    if not host:
-        raise ForbiddenUri(f"URI has no host: {url[:200]!r}")
-    if parts.username is not None or parts.password is not None:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https"):
+            raise ForbiddenUri(
+                f"only http:// and https:// URIs are fetched, not {scheme or 'a relative'}://"
+            )
+        explicit_port = parts.port
+        raw_host = parts.hostname
+        bracketed = "[" in parts.netloc.rpartition("@")[2]
+        has_credentials = parts.username is not None or parts.password is not None
+    except ValueError as exc:
+        raise MalformedUri(f"malformed URI {_clip(url)}: {exc}") from None
+    if explicit_port == 0:
+        raise MalformedUri(f"URI has port 0: {_clip(url)}")
+    if not raw_host:
+        raise MalformedUri(f"URI has no host: {_clip(url)}")
+    if has_credentials:
         raise ForbiddenUri("credentials in URIs are not supported")
+    if bracketed and ":" not in raw_host:
+        # "[evil.test]" or "[v1.x]" (IPvFuture): brackets hold IPv6 literals only, whatever the
+        # Python patch release's urlsplit lets through.
+        raise MalformedUri(f"URI host [{raw_host[:80]}] is not an IPv6 address: {_clip(url)}")
+    host = _checked_host(raw_host, url)
+    port = explicit_port or (443 if scheme == "https" else 80)
     netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
+    if explicit_port:
         netloc += f":{port}"
-    # Percent-encode what http.client would refuse (spaces, non-ASCII); keep existing escapes.
+    # Percent-encode what may not appear in a request line (spaces, controls, non-ASCII);
+    # keep existing escapes.
     path = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe=_URL_SAFE)
-    return _Target(scheme, host, port, path, f"{scheme}://{netloc}{parts.path or '/'}")
+    shown = f"{scheme}://{netloc}{parts.path[:200] or '/'}"
+    return _Target(scheme, host, port, netloc, path, shown)
+
+
+def _checked_host(host: str, url: str) -> str:
+    """The host as it goes to the resolver and the Host header, or MalformedUri.
+
+    A name the resolver can never answer (a space, a 64-character label) would otherwise fail as
+    a retryable resolution error and be retried for nothing.
+    """
+    if "%" in host:  # an IPv6 zone id, or a percent-encoded name
+        raise MalformedUri(f"URI host {host[:80]!r} has a zone id or a %-escape: {_clip(url)}")
+    if ":" in host:
+        try:
+            return ipaddress.IPv6Address(host).compressed
+        except ValueError:
+            raise MalformedUri(f"URI host {host[:80]!r} is not an IPv6 address") from None
+    try:
+        name = host.encode("idna").decode("ascii").lower()
+    except UnicodeError:
+        raise MalformedUri(f"URI host {host[:80]!r} is not a valid host name") from None
+    labels = name.removesuffix(".").split(".")
+    if len(name.removesuffix(".")) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise MalformedUri(f"URI host {host[:80]!r} is not a valid host name")
+    if _NUMERIC_LABEL.fullmatch(labels[-1]):
+        try:
+            socket.inet_aton(name.removesuffix("."))
+        except OSError:
+            raise MalformedUri(f"URI host {host[:80]!r} is not a valid IPv4 address") from None
+    return name
 
 
 def _resolve(host: str, port: int) -> list[str]:
@@ -216,119 +348,129 @@ def _vetted_addresses(target: _Target, policy: FetchPolicy) -> list[str]:
         raise FetchFailed(f"cannot resolve {target.host}: {exc}") from None
     if not addresses:
         raise FetchFailed(f"{target.host} has no addresses")
-    if not policy.allow_private_networks:
-        for address in addresses:
-            reason = forbidden_reason(address)
-            if reason is not None:
-                raise ForbiddenUri(
-                    f"{target.shown} resolves to {address}, a {reason} address; "
-                    "internal networks are not reachable from jobs"
-                )
+    for address in addresses:
+        try:
+            # `forbidden_reason` is looked up here, in this module, on purpose: see refusal().
+            refusal = netpolicy.refusal(address, policy, forbidden_reason)
+        except ValueError:
+            raise FetchFailed(
+                f"{target.host} resolved to {address[:80]!r}, not an IP address", retryable=False
+            ) from None
+        if refusal is not None:
+            raise ForbiddenUri(f"{target.shown} resolves to {address}, {refusal}")
     return addresses
 
 
-def forbidden_reason(address: str) -> str | None:
-    """Why `address` must not be fetched from by default, or None when it is public."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone ("fe80::1%eth0")
-    if isinstance(ip, ipaddress.IPv6Address):
-        embedded = ip.ipv4_mapped or ip.sixtofour
-        if embedded is None and ip in _NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None:
-            return forbidden_reason(str(embedded))
-    checks = (
-        ("loopback", ip.is_loopback),
-        ("link-local", ip.is_link_local),  # 169.254.169.254 cloud metadata lives here
-        ("unspecified", ip.is_unspecified),
-        ("multicast", ip.is_multicast),
-        ("reserved", ip.is_reserved),
-        ("private", ip.is_private),
-        ("non-global", not ip.is_global),  # e.g. 100.64.0.0/10 carrier NAT, some metadata
-    )
-    return next((label for label, hit in checks if hit), None)
-
-
 def _get(
-    target: _Target, addresses: list[str], policy: FetchPolicy, deadline: float
+    target: _Target,
+    addresses: list[str],
+    policy: FetchPolicy,
+    deadline: float,
+    handle: FetchHandle,
 ) -> bytes | str:
     """One request: the body, or the Location of a redirect to follow."""
-    remaining = _remaining(deadline, target)
-    conn = _connect(target, addresses, remaining)
-    # Kept apart from `conn`: http.client drops conn.sock once the response owns the stream.
-    sock: socket.socket = conn.sock
+    sock = _connect(target, addresses, deadline, handle)
     try:
-        conn.request("GET", target.path, headers=_HEADERS)
-        response = conn.getresponse()
-        status = response.status
-        if status in _REDIRECTS:
-            location = response.getheader("Location")
+        request = f"GET {target.path} HTTP/1.1\r\nHost: {target.netloc}\r\n" + "".join(
+            f"{key}: {value}\r\n" for key, value in _HEADERS.items()
+        )
+        sock.settimeout(_remaining(deadline, target))
+        sock.sendall(f"{request}\r\n".encode("ascii"))
+        reader = Reader(sock, deadline, target.shown)
+        head = reader.head()
+        if head.status in _REDIRECTS:
+            location = head.get("location")
             if not location:
-                raise FetchFailed(f"HTTP {status} from {target.shown} without a Location")
+                raise BadResponse(f"HTTP {head.status} from {target.shown} without a Location")
             return location
-        if status != 200:
-            kind = "server error" if status >= 500 else "refused"
-            raise FetchFailed(f"HTTP {status} {response.reason} ({kind}) from {target.shown}")
-        return _read_body(response, sock, policy.max_bytes, deadline, target)
+        if head.status != 200:
+            kind = "server error" if head.status >= 500 else "refused"
+            raise FetchFailed(f"HTTP {head.status} {head.reason} ({kind}) from {target.shown}")
+        return reader.body(head, policy.max_bytes)
     except TimeoutError:
         raise FetchTimeout(
             f"no complete response from {target.shown} within the time limit"
         ) from None
-    except (OSError, http.client.HTTPException) as exc:
+    except OSError as exc:
         raise FetchFailed(f"fetching {target.shown} failed: {exc!r}") from None
     finally:
-        conn.close()
+        handle._release(sock)
 
 
-def _connect(target: _Target, addresses: list[str], timeout: float) -> _PinnedConnection:
-    """Connect to the first vetted address that answers."""
+def _connect(
+    target: _Target, addresses: list[str], deadline: float, handle: FetchHandle
+) -> socket.socket:
+    """Connect (and for https, handshake) to the first vetted address that answers."""
     last: OSError | None = None
     for address in addresses:
-        conn: _PinnedConnection
-        if target.scheme == "https":
-            conn = _PinnedHTTPSConnection(
-                target.host, target.port, address, timeout, _tls_context()
-            )
-        else:
-            conn = _PinnedHTTPConnection(target.host, target.port, address, timeout)
+        raw = _open_socket(address)
+        handle._hold(raw)
         try:
-            conn.connect()
+            raw.settimeout(_remaining(deadline, target))
+            raw.connect(_sockaddr(address, target.port))
+            handle._check()  # an abort that came before connect() started found nothing to stop
         except TimeoutError:
+            handle._release(raw)
             raise FetchTimeout(f"connecting to {target.shown} timed out") from None
-        except ssl.SSLError as exc:
-            raise FetchFailed(f"TLS with {target.shown} failed: {exc}") from None
         except OSError as exc:
+            handle._release(raw)
             last = exc
             continue
-        return conn
+        except BaseException:
+            handle._release(raw)
+            raise
+        if target.scheme == "http":
+            return raw
+        return _handshake(raw, target, deadline, handle)
+    handle._check()
     raise FetchFailed(f"cannot connect to {target.shown}: {last}")
 
 
-def _read_body(
-    response: http.client.HTTPResponse,
-    sock: socket.socket,
-    max_bytes: int,
-    deadline: float,
-    target: _Target,
-) -> bytes:
-    declared = response.getheader("Content-Length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise TooLarge(f"{target.shown} declares {int(declared)} bytes; the limit is {max_bytes}")
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        # The socket timeout bounds one read; re-arming it with what is left of the deadline
-        # also bounds a server that drips a byte at a time.
-        sock.settimeout(_remaining(deadline, target))
-        chunk = response.read1(_CHUNK)
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > max_bytes:
-            raise TooLarge(f"{target.shown} sent more than the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-    if response.length:  # Content-Length promised more than arrived
-        raise FetchFailed(f"{target.shown} closed the connection {response.length} bytes early")
-    return b"".join(chunks)
+def _handshake(
+    raw: socket.socket, target: _Target, deadline: float, handle: FetchHandle
+) -> socket.socket:
+    """TLS over a connected socket; SNI and the certificate check use the hostname, never the
+    address, while the connection stays on the vetted address."""
+    try:
+        # The handshake is started by hand so that the handle holds the TLS socket while it runs.
+        tls = _tls_context().wrap_socket(
+            raw, server_hostname=target.host, do_handshake_on_connect=False
+        )
+    except BaseException:
+        handle._release(raw)
+        raise
+    handle._hold(tls)  # `raw` was detached into `tls`: the handle must shut down the live one
+    try:
+        tls.settimeout(_remaining(deadline, target))  # bounds the whole handshake, not one read
+        tls.do_handshake()
+    except TimeoutError:
+        handle._release(tls)
+        raise FetchTimeout(f"TLS with {target.shown} timed out") from None
+    except (ssl.SSLError, ssl.CertificateError) as exc:
+        handle._release(tls)
+        raise FetchFailed(f"TLS with {target.shown} failed: {exc}") from None
+    except OSError as exc:
+        handle._release(tls)
+        raise FetchFailed(f"TLS with {target.shown} failed: {exc!r}") from None
+    except BaseException:
+        handle._release(tls)
+        raise
+    return tls
+
+
+def _open_socket(address: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
+def _sockaddr(
+    address: str, port: int
+) -> tuple[str, int] | tuple[str, int, int, int] | tuple[int, bytes]:
+    """The address exactly as vetted. AI_NUMERICHOST: a literal only, so nothing asks DNS again
+    between the check and the connection; it also carries an IPv6 zone into the scope id."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    infos = socket.getaddrinfo(address, port, family, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    return infos[0][4]
 
 
 def _remaining(deadline: float, target: _Target) -> float:
@@ -342,40 +484,3 @@ def _remaining(deadline: float, target: _Target) -> float:
 def _tls_context() -> ssl.SSLContext:
     """Default verification; a seam for tests that trust a throwaway CA."""
     return ssl.create_default_context()
-
-
-def _open_socket(address: str, port: int, timeout: float | None) -> socket.socket:
-    return socket.create_connection((address, port), timeout)
-
-
-class _PinnedHTTPConnection(http.client.HTTPConnection):
-    """Connects to the vetted address while the Host header still names the requested server."""
-
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
-        self.address = address
-
-    def connect(self) -> None:
-        self.sock = _open_socket(self.address, self.port, self.timeout)
-
-
-class _PinnedHTTPSConnection(http.client.HTTPSConnection):
-    """As `_PinnedHTTPConnection`; SNI and certificate checks use the hostname, not the address."""
-
-    def __init__(
-        self, host: str, port: int, address: str, timeout: float, context: ssl.SSLContext
-    ) -> None:
-        super().__init__(host, port, timeout=timeout, context=context)
-        self.address = address
-        self.tls = context
-
-    def connect(self) -> None:
-        raw = _open_socket(self.address, self.port, self.timeout)
-        try:
-            self.sock = self.tls.wrap_socket(raw, server_hostname=self.host)
-        except BaseException:
-            raw.close()
-            raise
-
-
-_PinnedConnection = _PinnedHTTPConnection | _PinnedHTTPSConnection
