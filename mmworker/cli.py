@@ -197,7 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_on_signals()
+    stop_on_signals()  # first: a signal from here on has a documented effect
+    try:
+        return _main(argv)
+    except Interrupted as exc:
+        logging.getLogger("mmworker").info("%s before consuming started: stopped", exc)
+        return ExitCode.OK
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -206,9 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except Interrupted as exc:
-        logging.getLogger("mmworker").info("%s before consuming started: stopped", exc)
-        return ExitCode.OK
     except ValidationError as exc:
         print(f"mmworker: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
