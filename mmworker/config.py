@@ -230,6 +230,13 @@ class PreprocessConfig(_Section):
     video_total_pixels: int = Field(
         8192 * 2 * 28 * 28, ge=28 * 28, description="Across frames: caps a video at 8,192 tokens"
     )
+    video_min_decoded_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A cut or damaged video is captioned from the part that decodes (and marked "
+        "partial) unless less than this share of its duration decodes: then undecodable_video",
+    )
     allowed_roots: tuple[Path, ...] = Field(
         (), description="Directories file:// URIs may read from; empty refuses file://"
     )
@@ -296,6 +303,7 @@ class PreprocessConfig(_Section):
             max_pixels=max(max_pixels or self.video_max_pixels, self.video_min_pixels),
             total_pixels=self.video_total_pixels,
             max_ratio=self.max_aspect_ratio,
+            min_decoded_fraction=self.video_min_decoded_fraction,
         )
 
 

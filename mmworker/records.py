@@ -38,7 +38,9 @@ def media_facts(media: PreparedMedia) -> MediaFacts:
         kind="video",
         frames=int(p.frames.shape[0]),
         frame_timestamps=[round(t, 3) for t in p.timestamps],
-        duration_s=p.duration_s,
+        duration_s=p.full_duration_s if p.partial and p.full_duration_s else p.duration_s,
+        partial=p.partial,
+        decoded_duration_s=p.duration_s if p.partial else None,
         **common,
     )
 

@@ -3,6 +3,15 @@
 Decoding is the CPU hot spot of the worker and the main attack surface for hostile inputs, so the
 size is checked from the header before any pixel is decoded, only a short list of formats may be
 opened, and JPEGs are decoded at reduced scale when the model will see far fewer pixels anyway.
+
+Phones save HEIC (iPhone) and AVIF (recent Android) by default. AVIF is Pillow's own plugin
+(libavif); HEIC/HEIF comes from pillow-heif (libheif), registered here with its thumbnail, depth
+and auxiliary-image parsing off: none of them is shown to the model, and each is more untrusted
+data parsed. Both parse only the header on open, so the pixel-count limit still applies before
+any pixel is decoded. Orientation differs and is handled by each plugin: Pillow's AVIF reports
+the container's rotation as an EXIF orientation (the pixels stay as stored, as in a JPEG), while
+libheif applies it while decoding and pillow-heif resets the EXIF tag to 1, so either way the
+one `_orientation` step below turns the picture upright exactly once.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+import pillow_heif
 from PIL import Image, UnidentifiedImageError
 
 from preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
@@ -21,7 +31,16 @@ from preprocess.params import IMAGE_FACTOR, ImageParams, PreparedImage
 from preprocess.resize import settle, smart_resize
 
 #: Pillow may open only these; other plugins (EPS runs Ghostscript, for one) are never reached.
-FORMATS: Final = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP")  # JPEG covers MPO too
+#: JPEG covers MPO too. AVIF is tried before HEIF: both accept the generic `mif1` brand, and a
+#: plugin that cannot read a file hands it on to the next.
+FORMATS: Final = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "AVIF", "HEIF")
+
+#: libheif decodes the tiles of a grid image (every iPhone photo) on this many threads; two, as
+#: for video, because the worker's process pool already spreads jobs over the cores.
+HEIF_DECODE_THREADS: Final = 2
+pillow_heif.register_heif_opener(
+    thumbnails=False, depth_images=False, aux_images=False, decode_threads=HEIF_DECODE_THREADS
+)
 
 #: What Pillow's plugins raise on malformed input; "image file is truncated" is an OSError.
 _DECODE_ERRORS: Final = (
@@ -34,6 +53,7 @@ _DECODE_ERRORS: Final = (
     IndexError,
     KeyError,
     TypeError,
+    RuntimeError,  # libheif's decoder and plugin errors, via pillow-heif
 )
 _BOMB_ERRORS: Final = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
@@ -132,6 +152,10 @@ def _open(data: bytes) -> Image.Image:
         ) from None
     except _BOMB_ERRORS as exc:
         raise TooLarge(f"image refused as a decompression bomb: {exc}") from None
+    except MemoryError as exc:
+        # Only headers are parsed here, so this is libheif's security limits (image size, tile
+        # count) refusing the file, not the process running out of memory.
+        raise TooLarge(f"image refused by the decoder's size limits: {exc}") from None
     except _DECODE_ERRORS as exc:
         raise UndecodableImage(f"cannot read the image header: {exc}") from None
 

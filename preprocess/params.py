@@ -68,9 +68,17 @@ class VideoParams:
     total_pixels: int = VIDEO_TOTAL_PIXELS
     max_ratio: float = MAX_RATIO
     max_source_pixels: int = 8192 * 8192
+    #: Refuse a cut or damaged video when less than this share of its duration decodes; above
+    #: it, the frames come from the part that decodes and the result is marked partial.
+    min_decoded_fraction: float = 0.5
 
     def cache_key_fields(self) -> dict[str, object]:
-        return {"kind": "video", "v": PREPROCESS_VERSION, **asdict(self)}
+        # min_decoded_fraction only decides whether a video is refused, and refusals are never
+        # cached: the frames of any video it lets through are the same at every setting, so
+        # it is left out rather than making every cached video a miss once.
+        fields = asdict(self)
+        del fields["min_decoded_fraction"]
+        return {"kind": "video", "v": PREPROCESS_VERSION, **fields}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,12 @@ class PreparedVideo:
     source_fps: float
     total_num_frames: int
     sample_fps: float = field(default=FPS)
+    #: Only part of the video decoded (a cut download, damaged data): the frames, `timestamps`
+    #: and `duration_s` cover that part, which starts at the beginning.
+    partial: bool = False
+    #: The length the video should have had, when `partial`: what its container declares, or
+    #: the span its frames were found to cover when the damage was in decoding.
+    full_duration_s: float | None = None
 
     @property
     def resized_size(self) -> tuple[int, int]:

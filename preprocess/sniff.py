@@ -1,12 +1,20 @@
-"""Decide what a blob really is from its first bytes, ignoring names, headers and declared kinds.
+"""Decide what a blob really is from its bytes, ignoring names, headers and declared kinds.
 
 Producers mislabel media (a PNG called .jpg, an HTML error page saved as a video), and handing an
 unknown blob to a decoder wastes CPU and can exercise rarely used, fragile code paths. Sniffing
 first picks the decoder and rejects everything else with a message a producer can act on.
+
+Stills are recognised by signature, because only the formats Pillow may open here are images.
+Videos are not: phones, cameras and archives use more containers than any list of magic numbers
+keeps up with (ASF/WMV, MXF, NUT, RealMedia, DV...), so whatever is neither a known still nor
+plainly not media (empty, text, a document, audio) is handed to FFmpeg's own probe, and it is a
+video when FFmpeg finds a video stream it has a decoder for. The common containers' signatures
+are kept only as a shortcut past that probe, never as a reason to refuse.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,9 +25,17 @@ MediaKindName = Literal["image", "video"]
 #: ISO base media (ftyp) brands that carry audio only; refusing them here gives a clearer
 #: message than the video decoder's "no video stream".
 _AUDIO_BRANDS = frozenset({b"M4A ", b"M4B ", b"M4P ", b"F4A ", b"F4B "})
-#: HEIF/AVIF stills share the ftyp box with MP4 but are images Pillow is not built to decode here.
-_HEIF_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"})
+#: HEIF stills (and their bursts) share the ftyp box with MP4. `mif1`/`msf1`/`miaf` are the
+#: generic HEIF brands: the compatible brands then say whether the pictures are HEVC or AV1.
+_HEIF_BRANDS = frozenset(
+    {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
+)
+_GENERIC_HEIF_BRANDS = frozenset({b"mif1", b"msf1", b"miaf"})
 _AVIF_BRANDS = frozenset({b"avif", b"avis"})
+#: FFmpeg demuxers that read one still picture: FFmpeg would call it a one-frame video, but it
+#: is an image in a format Pillow is not allowed to open here. Single-image demuxers are all
+#: named "<codec>_pipe" (libavformat/img2dec.c); these are the others.
+_FFMPEG_STILL_DEMUXERS = frozenset({"image2", "image2pipe", "ico", "alias_pix", "brender_pix"})
 #: Sizes of the BMP info header variants; "BM" alone is too weak (any text starting "BM...").
 _BMP_DIB_SIZES = frozenset({12, 16, 40, 52, 56, 64, 108, 124})
 _TS_PACKET = 188
@@ -38,7 +54,14 @@ def sniff(data: bytes) -> MediaType:
     found = _sniff_image(data) or _sniff_video(data)
     if found is not None:
         return found
-    raise UnsupportedMedia(_describe_unknown(data))
+    # Text is refused before FFmpeg sees it: FFmpeg would read some text as subtitles.
+    refusal = _describe_non_media(data)
+    if refusal is not None:
+        raise UnsupportedMedia(refusal)
+    found = _probe_video(data)
+    if found is not None:
+        return found
+    raise UnsupportedMedia(f"media format not recognised (first bytes {data[:12].hex(' ')})")
 
 
 def _sniff_image(data: bytes) -> MediaType | None:
@@ -55,7 +78,26 @@ def _sniff_image(data: bytes) -> MediaType | None:
         fmt = "tiff"
     elif data.startswith(b"BM") and int.from_bytes(data[14:18], "little") in _BMP_DIB_SIZES:
         fmt = "bmp"
+    elif data[4:8] == b"ftyp":
+        fmt = _ftyp_still(data)
     return MediaType("image", fmt) if fmt else None
+
+
+def _ftyp_still(data: bytes) -> str | None:
+    """ "avif" or "heif" for an ISO base media file that holds stills, None for a movie."""
+    major = data[8:12]
+    if major not in _AVIF_BRANDS | _HEIF_BRANDS | _GENERIC_HEIF_BRANDS:
+        return None
+    if major in _AVIF_BRANDS:
+        return "avif"
+    if major in _GENERIC_HEIF_BRANDS and _AVIF_BRANDS & _compatible_brands(data):
+        return "avif"
+    return "heif"
+
+
+def _compatible_brands(data: bytes) -> frozenset[bytes]:
+    size = min(int.from_bytes(data[:4], "big"), len(data), 4096)
+    return frozenset(data[i : i + 4] for i in range(16, size - 3, 4))
 
 
 def _sniff_video(data: bytes) -> MediaType | None:
@@ -71,8 +113,6 @@ def _sniff_video(data: bytes) -> MediaType | None:
         raise UnsupportedMedia("media is WAV audio; only images and videos are supported")
     elif data.startswith(b"FLV\x01"):
         fmt = "flv"
-    elif data.startswith(b"OggS"):
-        fmt = _sniff_ogg(data)
     elif data.startswith(b"\x00\x00\x01\xba"):
         fmt = "mpeg-ps"
     elif data.startswith(b"\x00\x00\x01\xb3"):
@@ -90,18 +130,45 @@ def _sniff_ftyp(data: bytes) -> MediaType:
     brand = data[8:12]
     if brand in _AUDIO_BRANDS:
         raise UnsupportedMedia(f"media is MPEG-4 audio (brand {_show(brand)}); it has no pictures")
-    if brand in _HEIF_BRANDS:
-        raise UnsupportedMedia(f"HEIF/HEIC images (brand {_show(brand)}) are not supported")
-    if brand in _AVIF_BRANDS:
-        raise UnsupportedMedia(f"AVIF images (brand {_show(brand)}) are not supported")
-    return MediaType("video", "mov" if brand == b"qt  " else "mp4")
+    if brand == b"qt  ":
+        return MediaType("video", "mov")
+    return MediaType("video", "3gp" if brand.startswith(b"3g") else "mp4")
 
 
-def _sniff_ogg(data: bytes) -> str:
-    """Ogg is a container for audio as often as video; only a Theora stream makes it a video."""
-    if b"\x80theora" in data[:4096]:
-        return "ogg"
-    raise UnsupportedMedia("media is an Ogg file without a Theora video stream (audio?)")
+def _probe_video(data: bytes) -> MediaType | None:
+    """Ask FFmpeg: a video is whatever it can demux with a video stream it can decode.
+
+    None when FFmpeg recognises no container at all. PyAV is imported here, not at module
+    level, so that sniffing images never pays for loading FFmpeg.
+    """
+    import av
+    import av.error
+    from av.stream import Disposition
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except av.error.FFmpegError:
+        return None
+    with container:
+        fmt = str(container.format.name).split(",")[0]
+        if fmt.endswith("_pipe") or fmt in _FFMPEG_STILL_DEMUXERS:
+            name = fmt.removesuffix("_pipe")
+            raise UnsupportedMedia(
+                f"media is a still image in a format that is not supported ({name})"
+            )
+        videos = [
+            s
+            for s in container.streams.video
+            if not s.disposition & Disposition.attached_pic and s.codec_context is not None
+        ]
+        if videos:
+            return MediaType("video", fmt)
+        kinds = ", ".join(sorted({str(s.type) for s in container.streams})) or "none"
+        if container.streams.video:
+            raise UnsupportedMedia(
+                f"media is {fmt} whose video has no decoder here (streams: {kinds})"
+            )
+        raise UnsupportedMedia(f"media is {fmt} without a video stream (streams: {kinds})")
 
 
 def _is_transport_stream(data: bytes, offset: int, stride: int) -> bool:
@@ -130,8 +197,9 @@ def _sniff_annexb(data: bytes) -> str | None:
     return None
 
 
-def _describe_unknown(data: bytes) -> str:
-    """Name what the bytes look like, because "unsupported" alone sends producers guessing."""
+def _describe_non_media(data: bytes) -> str | None:
+    """Name what the bytes look like when that is plainly not media, because "unsupported"
+    alone sends producers guessing; None when they may still be a container FFmpeg knows."""
     head = data[:512].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
     if head.startswith((b"<!doctype html", b"<html")):
         return "media is an HTML document (an error or login page?), not an image or video"
@@ -143,7 +211,7 @@ def _describe_unknown(data: bytes) -> str:
         return "media is JSON text, not an image or video"
     if _looks_like_text(data):
         return f"media is text ({_show(data[:24])}...), not an image or video"
-    return f"media format not recognised (first bytes {data[:12].hex(' ')})"
+    return None
 
 
 def _looks_like_text(data: bytes) -> bool:

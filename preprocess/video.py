@@ -27,11 +27,19 @@ a chosen frame (~10 ms) run on a helper thread beside the decoder, and once the 
 fixed the output size a second decoder takes the later half of the stretches. Both overlap only
 when a core is free: they shorten the wall time of one video, not the CPU time.
 
-Errors are typed: no video stream → `UnsupportedMedia` (an audio file is a real, decodable media
-file, just not a kind this worker captions); corrupt data, or a file whose own header proves it
-was cut short (mp4/AVI frame count, Matroska duration) → `UndecodableVideo` (a cut MPEG-TS
-cannot be told from a short one and is captioned as what is there); a stream that yields no
-frame → `NoFrames`; frames above `max_source_pixels` → `TooLarge`.
+Cut and damaged files are judged by time, not by counts. A frame count in a header is no
+evidence: AVI counts the frames a variable-rate camera skipped, and an index may count a frame
+more than it holds. What counts is the time span that decodes, against the duration the
+container declares (or, without one, the span the demuxer found): frames come from what decodes,
+the result says `partial` when it falls short, and only when less than
+`VideoParams.min_decoded_fraction` of it decodes is the video refused (`UndecodableVideo`). A cut
+mp4 whose index was at the end has nothing to decode and is refused; a cut MPEG-TS or Ogg
+declares no duration beyond its data and cannot be told from a short one.
+
+Other errors are typed: no video stream → `UnsupportedMedia` (an audio file is a real, decodable
+media file, just not a kind this worker captions); data no frame decodes from →
+`UndecodableVideo`; a stream that yields no frame → `NoFrames`; frames above
+`max_source_pixels` → `TooLarge`.
 """
 
 from __future__ import annotations
@@ -84,6 +92,11 @@ MAX_PENDING_FRAMES = 4
 DECODE_THREADS = 2
 #: Packets the later half must hold before a second decoder is worth its container and seek.
 PARALLEL_MIN_PACKETS = 256
+#: A video is `partial` when what decodes falls short of its duration by more than this many
+#: seconds and this share of it: less is container rounding (an AVI index counting one frame
+#: more than it holds, a track whose declared end is a frame past its last frame).
+PARTIAL_SLACK_S = 0.5
+PARTIAL_SLACK_SHARE = 0.02
 
 _Transpose = Image.Transpose
 
@@ -123,6 +136,25 @@ class _Timeline:
     duration_s: float
     source_fps: float
     key_decode_idx: list[int] = field(default_factory=list)
+    #: What the container says the video lasts, when it says (None: no claim to check against).
+    declared_s: float | None = None
+    #: Why demuxing stopped before the end of the data, when it did.
+    demux_error: str | None = None
+
+    @property
+    def expected_s(self) -> float:
+        """The length the video should have: the declared one, unless the frames span more."""
+        return max(self.declared_s or 0.0, self.duration_s)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What the decode pass yielded beyond the frames: how far it got, and why it stopped."""
+
+    #: Presentation time (s) of the latest frame any decoder produced; -1 before the first.
+    good_until_s: float = -1.0
+    #: The first decode error, when one cut a stretch short; its frames after it are lost.
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -141,18 +173,27 @@ class _Run:
 def prepare_video(
     data: bytes, params: VideoParams, stats: DecodeStats | None = None
 ) -> PreparedVideo:
-    """Sample frames per `params.strategy`, turn them upright and resize them for the model."""
+    """Sample frames per `params.strategy`, turn them upright and resize them for the model.
+
+    Sampling covers the frames the demuxer found; on a cut file that is the part before the
+    cut, so the frames are spread over what is there rather than bunched at its start.
+    """
     stats = stats if stats is not None else DecodeStats()
     with _open(data) as container:
         stream = _video_stream(container)
         _check_source_size(stream.codec_context.width, stream.codec_context.height, params)
         timeline = _scan(container, stream, stats)
+    if not timeline.shown and timeline.demux_error is not None:
+        raise UndecodableVideo(f"corrupt container: {timeline.demux_error}")
+    # Refused before decoding anything when the demuxer alone already finds too little.
+    _judge(timeline, timeline.duration_s, hole=False, params=params)
     plan = _plan(timeline, params)
     if not plan.targets:
         raise NoFrames("the video stream has no frames")
     n_out = len(plan.targets) + len(plan.targets) % FRAME_FACTOR
     wanted = sorted(set(plan.targets))
-    captured, original_size = _decode(data, timeline, params, n_out, stats, _runs(timeline, wanted))
+    runs = _runs(timeline, wanted)
+    captured, original_size, outcome = _decode(data, timeline, params, n_out, stats, runs)
     frames: list[npt.NDArray[np.uint8]] = []
     timestamps: list[float] = []
     for target in plan.targets:
@@ -161,7 +202,19 @@ def prepare_video(
             frames.append(frame)
             timestamps.append(seconds)
     if not frames:
+        if outcome.error is not None:
+            raise UndecodableVideo(f"corrupt video data: {outcome.error}")
         raise NoFrames("no frame of the video stream could be decoded")
+    decoded_s = timeline.duration_s
+    if outcome.error is not None:
+        # The span up to the latest frame that came out, plus that frame's own display time.
+        tail = timeline.duration_s - timeline.seconds[-1]
+        decoded_s = min(decoded_s, outcome.good_until_s + tail)
+    # Frames lost before the latest one that decoded leave a hole the time span does not show.
+    hole = any(
+        timeline.seconds[t] < outcome.good_until_s for t in plan.targets if t not in captured
+    )
+    partial = _judge(timeline, decoded_s, hole=hole, params=params, error=outcome.error)
     if len(frames) % FRAME_FACTOR:
         # Qwen merges frames in pairs; repeating the last one is what its processor does too.
         frames.append(frames[-1])
@@ -171,11 +224,47 @@ def prepare_video(
         frames=np.ascontiguousarray(np.stack(frames)),
         original_size=original_size,
         timestamps=tuple(timestamps),
-        duration_s=timeline.duration_s,
+        duration_s=decoded_s,
         source_fps=timeline.source_fps,
         total_num_frames=len(timeline.shown),
+        # Frames lost to damage leave the others where the plan put them: the sampling rate
+        # (Qwen's temporal positions) is still the plan's.
         sample_fps=plan.sample_fps,
+        partial=partial,
+        full_duration_s=timeline.expected_s if partial else None,
     )
+
+
+def _judge(
+    timeline: _Timeline,
+    decoded_s: float,
+    *,
+    hole: bool,
+    params: VideoParams,
+    error: str | None = None,
+) -> bool:
+    """Whether only part of the video decoded; refuse it when that part is too small a share.
+
+    A shortfall within the slack is rounding, not damage (see PARTIAL_SLACK_S), whether the
+    demuxer ran out of packets or the decoder out of good data.
+    """
+    expected = timeline.expected_s
+    shortfall = expected - decoded_s
+    partial = hole or shortfall > max(PARTIAL_SLACK_S, PARTIAL_SLACK_SHARE * expected)
+    if not partial or expected <= 0:
+        return partial
+    share = max(decoded_s, 0.0) / expected
+    if share < params.min_decoded_fraction:
+        why = error or timeline.demux_error
+        declared = (
+            "declared" if timeline.declared_s and timeline.declared_s >= expected else "found"
+        )
+        raise UndecodableVideo(
+            f"truncated video: {max(decoded_s, 0.0):.2f} s of the {expected:.2f} s {declared} "
+            f"decode ({share:.0%}; at least {params.min_decoded_fraction:.0%} must)"
+            + (f": {why}" if why else "")
+        )
+    return partial
 
 
 _Captured = dict[int, tuple[npt.NDArray[np.uint8], float]]
@@ -188,7 +277,7 @@ def _decode(
     n_out: int,
     stats: DecodeStats,
     runs: Sequence[_Run],
-) -> tuple[_Captured, tuple[int, int] | None]:
+) -> tuple[_Captured, tuple[int, int] | None, _Outcome]:
     """Second pass: decode `runs`, the later half on a second decoder when that pays.
 
     The second decoder starts only once the first has captured a frame (with fps sampling, the
@@ -214,10 +303,10 @@ def _decode(
         head, tail = _split(list(runs)) if main.seekable else (list(runs), [])
         if not tail:
             main.decode(head)
-            return main.results(), main.original_size
+            return main.results(), main.original_size, main.outcome
         helper_stats = DecodeStats()
         with ThreadPoolExecutor(1, "video-decode") as pool:
-            helper: Future[_Captured] | None = None
+            helper: Future[tuple[_Captured, _Outcome]] | None = None
 
             def start_helper() -> None:
                 nonlocal helper
@@ -231,11 +320,19 @@ def _decode(
             except BaseException:
                 abort.set()  # the helper stops at its next packet
                 raise
-            captured = main.results() | (helper.result() if helper is not None else {})
+            captured = main.results()
+            outcome = main.outcome
+            if helper is not None:
+                tail_captured, tail_outcome = helper.result()
+                captured |= tail_captured
+                outcome = _Outcome(
+                    max(outcome.good_until_s, tail_outcome.good_until_s),
+                    outcome.error or tail_outcome.error,
+                )
         stats.decoded += helper_stats.decoded
         stats.seeks += helper_stats.seeks
         stats.runs += helper_stats.runs
-        return captured, main.original_size
+        return captured, main.original_size, outcome
 
 
 def _split(runs: list[_Run]) -> tuple[list[_Run], list[_Run]]:
@@ -258,11 +355,11 @@ def _usable_cores() -> int:
 
 def _decode_tail(
     data: bytes, main: _Decoder, runs: Sequence[_Run], stats: DecodeStats
-) -> _Captured:
+) -> tuple[_Captured, _Outcome]:
     with _open(data) as container:
         helper = main.fork(container, stats)
         helper.decode(runs)
-        return helper.results()
+        return helper.results(), helper.outcome
 
 
 def _open(data: bytes) -> InputContainer:
@@ -280,7 +377,7 @@ def _video_stream(container: InputContainer) -> VideoStream:
         raise UnsupportedMedia(f"no video stream (streams: {kinds})")
     stream = streams[0]
     if stream.codec_context is None:
-        raise UnsupportedMedia(f"no decoder for video codec {stream.codec.name!r}")
+        raise UnsupportedMedia("no decoder for the video stream's codec")
     return stream
 
 
@@ -292,8 +389,13 @@ def _check_source_size(width: int, height: int, params: VideoParams) -> None:
 
 
 def _scan(container: InputContainer, stream: VideoStream, stats: DecodeStats) -> _Timeline:
-    """First pass: demux every packet without decoding."""
+    """First pass: demux every packet without decoding, up to where the data stops making sense.
+
+    A demux error ends the scan rather than the job: the packets before it are the video there
+    is, and whether that is enough is judged by time afterwards.
+    """
     raw: list[tuple[int | None, int | None, bool, bool, int | None]] = []
+    demux_error: str | None = None
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the empty packet that signals end of stream
@@ -302,14 +404,9 @@ def _scan(container: InputContainer, stream: VideoStream, stats: DecodeStats) ->
                 (packet.pts, packet.dts, packet.is_keyframe, packet.is_discard, packet.duration)
             )
     except av.error.FFmpegError as exc:
-        raise UndecodableVideo(f"corrupt container: {exc}") from None
+        demux_error = str(exc)
     stats.packets = len(raw)
-    declared = stream.frames
-    if declared and len(raw) < declared:
-        # mp4 declares its sample count up front; fewer packets means the data was cut short.
-        raise UndecodableVideo(
-            f"truncated video: the container declares {declared} frames, {len(raw)} are present"
-        )
+    declared_s = _declared_duration(container, stream)
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     timed = stream.time_base is not None and all(
         (p if p is not None else d) is not None for p, d, *_ in raw
@@ -331,31 +428,34 @@ def _scan(container: InputContainer, stream: VideoStream, stats: DecodeStats) ->
         (i for i, p in enumerate(packets) if not p.discard), key=lambda i: packets[i].pts
     )
     if not shown:
-        return _Timeline(packets, [], [], time_base, timed, 0.0, float(rate or 0.0))
+        empty = _Timeline(packets, [], [], time_base, timed, 0.0, float(rate or 0.0))
+        empty.demux_error = demux_error
+        return empty
     origin = packets[shown[0]].pts
     seconds = [float((packets[i].pts - origin) * time_base) for i in shown]
     duration_s = _duration(packets, shown, seconds, time_base, rate)
-    _check_complete(container, duration_s)
     source_fps = float(rate) if rate else _rate(len(shown), duration_s, 0.0)
     timeline = _Timeline(packets, shown, seconds, time_base, timed, duration_s, source_fps)
     timeline.key_decode_idx = [i for i, p in enumerate(packets) if p.key]
+    timeline.declared_s = declared_s if timed else None
+    timeline.demux_error = demux_error
     return timeline
 
 
-def _check_complete(container: InputContainer, duration_s: float) -> None:
-    """Refuse a video whose header promises far more than its packets deliver (a cut download).
+def _declared_duration(container: InputContainer, stream: VideoStream) -> float | None:
+    """How long the container says the video lasts, or None when it makes no such claim.
 
-    Only for single-stream files: with audio beside it, the container's duration may rightly
-    exceed the video's. Matroska and AVI headers state a duration; mp4 is caught by frame count.
+    The stream's own duration first (mp4 `mdhd`, AVI `strh`, ASF, MXF). The container's
+    duration only for a single-stream file: beside audio it may rightly exceed the video's.
+    Where a format states no duration FFmpeg estimates one from the data that is there (MPEG-TS
+    and Ogg from their last timestamps, an AVI without its index from the bytes), so a cut is
+    seen only as far as that estimate sees it.
     """
-    if container.duration is None or len(container.streams) != 1:
-        return
-    declared = container.duration / 1_000_000  # AV_TIME_BASE
-    if declared - duration_s > max(1.0, 0.1 * declared):
-        raise UndecodableVideo(
-            f"truncated video: the container declares {declared:.2f} s, "
-            f"the frames present span {duration_s:.2f} s"
-        )
+    if stream.duration and stream.duration > 0 and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration and container.duration > 0 and len(container.streams) == 1:
+        return container.duration / 1_000_000  # AV_TIME_BASE
+    return None
 
 
 def _duration(
@@ -485,6 +585,7 @@ class _Decoder:
         self.n_out = n_out
         self.stats = stats
         self.original_size: tuple[int, int] | None = None
+        self.outcome = _Outcome()
         self._target: tuple[int, int] | None = None  # (height, width), upright
         self._by_key = {(p.pts, p.dts): i for i, p in enumerate(timeline.packets)}
         self._seekable = timeline.timed and len(self._by_key) == len(timeline.packets)
@@ -503,7 +604,11 @@ class _Decoder:
         )
 
     def decode(self, runs: Sequence[_Run]) -> None:
-        """Decode the runs, which must lie after any this decoder has done already."""
+        """Decode the runs, which must lie after any this decoder has done already.
+
+        A decode error ends only the run it happens in (see `outcome`); the next run starts
+        afresh at its own key frame, so one damaged stretch costs only its own frames.
+        """
         try:
             self._decode(runs)
         except av.error.FFmpegError as exc:
@@ -545,29 +650,49 @@ class _Decoder:
                 packets, position = self._seek(run.start)
             matcher = _RunMatcher(self, run)
             chosen = {self.timeline.shown[w] for w in run.wanted}
-            for packet in packets:
-                index = position
-                position += 1
-                if index < run.start:
-                    continue
-                if self._abort.is_set():
-                    return
-                self.stats.decoded += 1
-                if self._skip_nonref:
-                    # The decoder reads it as each packet is sent (frame threads copy it on
-                    # submission), so a chosen non-reference frame is still decoded.
-                    codec.skip_frame = "DEFAULT" if index in chosen else "NONREF"
-                for frame in codec.decode(packet):
+            try:
+                for packet in packets:
+                    index = position
+                    position += 1
+                    if index < run.start:
+                        continue
+                    if self._abort.is_set():
+                        return
+                    self.stats.decoded += 1
+                    if self._skip_nonref:
+                        # The decoder reads it as each packet is sent (frame threads copy it on
+                        # submission), so a chosen non-reference frame is still decoded.
+                        codec.skip_frame = "DEFAULT" if index in chosen else "NONREF"
+                    for frame in codec.decode(packet):
+                        matcher.offer(frame)
+                    if index >= run.end:
+                        break
+                # Drain so the run's last frames come out without feeding packets we do not
+                # need, then reset the decoder for the next run's key frame.
+                for frame in codec.decode(None):
                     matcher.offer(frame)
-                if index >= run.end:
-                    break
-            # Drain so the run's last frames come out without feeding packets we do not need,
-            # then reset the decoder for the next run's key frame.
-            for frame in codec.decode(None):
-                matcher.offer(frame)
+            except av.error.FFmpegError as exc:
+                # Damaged or cut data (the last packet of a cut mp4 is short). The frames the
+                # decoder already holds still come out; `finish` is skipped, since it would
+                # stand the last good frame in for every frame after the damage.
+                if self.outcome.error is None:
+                    self.outcome.error = str(exc)
+                self._drain(matcher)
+                codec.flush_buffers()
+                continue
             codec.flush_buffers()
             matcher.finish()
         self._position, self._packet_iter = position, packets
+
+    def _drain(self, matcher: _RunMatcher) -> None:
+        """Collect the frames a decoder that just failed on a packet still holds."""
+        try:
+            for frame in self.stream.codec_context.decode(None):
+                matcher.offer(frame)
+        except av.error.FFmpegError:
+            # It cannot even drain: the frames it held are lost with the damaged one, which
+            # `outcome.error` already reports.
+            return
 
     def _packets(self) -> Iterator[av.Packet[VideoStream]]:
         """The packet iterator, picked up where the previous `decode` call left it."""
@@ -697,6 +822,8 @@ class _RunMatcher:
         else:
             pts = self.ordinal
             self.ordinal += 1
+        outcome = self.decoder.outcome
+        outcome.good_until_s = max(outcome.good_until_s, self._seconds_of(pts))
         while self.pending and self._pts(self.pending[0]) <= pts:
             w = self.pending.pop(0)
             want = self._pts(w)

@@ -43,7 +43,22 @@ class MediaFacts(_Out):
     frame_timestamps: list[float] | None = Field(
         default=None, description="Presentation time in seconds of each frame used"
     )
-    duration_s: float | None = None
+    duration_s: float | None = Field(
+        default=None,
+        description="Length of the video in seconds (video only); when partial, the length it "
+        "declares rather than the part that decoded",
+    )
+    #: Added in 1.3.
+    partial: bool = Field(
+        default=False,
+        description="Only part of the video decoded (a cut or damaged file): the frames come "
+        "from its first decoded_duration_s seconds",
+    )
+    #: Added in 1.3.
+    decoded_duration_s: float | None = Field(
+        default=None,
+        description="Seconds of the video that decoded, from its start; set when partial",
+    )
     cache_hit: bool = Field(description="Prepared features came from the feature cache")
 
 

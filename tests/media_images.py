@@ -171,3 +171,53 @@ def _png_chunks(width: int, height: int, idat: bytes) -> bytes:
 
 def text_file() -> bytes:
     return b"This is not an image, just a text file someone named photo.jpg.\n"
+
+
+def _still(
+    fmt: str,
+    width: int,
+    height: int,
+    orientation: int,
+    alpha: bool,
+    icc: bool,
+    **options: object,
+) -> bytes:
+    """An image whose *upright* picture is width×height with the red marker top-left, stored
+    turned as a camera stores it, with the EXIF orientation that turns it back."""
+    upright = rgb_image(width, height)
+    if alpha:
+        # Bottom half fully transparent black: the white background must show there.
+        rgba = np.dstack([pattern(width, height), np.full((height, width), 255, np.uint8)])
+        rgba[height // 2 :] = 0
+        upright = Image.fromarray(rgba)
+    op = _STORE_FOR_ORIENTATION[orientation]
+    stored = upright if op is None else upright.transpose(op)
+    if orientation != 1:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        options["exif"] = exif.tobytes()
+    if icc:
+        from PIL import ImageCms
+
+        profile = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
+        options["icc_profile"] = profile.tobytes()
+    return encode(stored, fmt, **options)
+
+
+def avif(
+    width: int, height: int, *, orientation: int = 1, alpha: bool = False, icc: bool = False
+) -> bytes:
+    """AVIF through Pillow's own plugin (libavif); full-resolution chroma keeps the marker red.
+    Pillow writes the orientation as the container's rotation and mirror (irot/imir)."""
+    return _still("AVIF", width, height, orientation, alpha, icc, quality=95, subsampling="4:4:4")
+
+
+def heic(
+    width: int, height: int, *, orientation: int = 1, alpha: bool = False, icc: bool = False
+) -> bytes:
+    """HEIC (HEVC stills) through pillow-heif, as an iPhone writes them; the orientation goes
+    into the container's irot/imir boxes, which libheif applies when decoding."""
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    return _still("HEIF", width, height, orientation, alpha, icc, quality=95, chroma=444)

@@ -28,6 +28,12 @@ CODECS: dict[str, tuple[str, dict[str, str]]] = {
     "libaom-av1": ("mp4", {"cpu-used": "8", "crf": "20", "usage": "realtime"}),
     "librav1e": ("mp4", {"speed": "10"}),
     "mpeg4": ("mp4", {"qscale": "2"}),
+    # Older and archive formats, each in the container it is usually found in.
+    "wmv2": ("asf", {"qscale": "2"}),
+    "flv": ("flv", {"qscale": "2"}),
+    "mpeg2video": ("mpeg", {"qscale": "2"}),
+    "h263": ("3gp", {"qscale": "2"}),
+    "libvpx": ("webm", {"deadline": "realtime", "cpu-used": "8", "crf": "4", "b": "2M"}),
 }
 
 
@@ -159,12 +165,12 @@ def encode_empty_video_track() -> bytes:
     return buf.getvalue()
 
 
-def encode_audio_only(seconds: float = 1.0, *, fmt: str = "mp4") -> bytes:
-    """An AAC-in-MP4 (.m4a) file: a real media file with no video stream at all."""
+def encode_audio_only(seconds: float = 1.0, *, fmt: str = "mp4", codec: str = "aac") -> bytes:
+    """An AAC-in-MP4 (.m4a) file by default: a real media file with no video stream at all."""
     rate = 16000
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=fmt) as out:
-        stream = out.add_stream("aac", rate=rate)
+        stream = out.add_stream(codec, rate=rate)
         samples = int(seconds * rate)
         t = np.arange(samples) / rate
         tone = (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
@@ -217,3 +223,34 @@ def is_red(pixel: npt.NDArray[np.uint8]) -> bool:
 def is_blue(pixel: npt.NDArray[np.uint8]) -> bool:
     r, g, b = (int(v) for v in pixel)
     return b > 180 and r < 90 and g < 90
+
+
+def avi_with_skipped_frames(coded: int = 68, declared: int = 444, fps: int = 30) -> bytes:
+    """A hand-held camera's variable-rate AVI: `declared` frame slots, of which only `coded`
+    hold a picture. AVI has no timestamps, so FFmpeg's muxer (like such cameras) fills each
+    gap with empty chunks, which the header's frame count includes."""
+    step = (declared - 1) / (coded - 1)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="avi") as out:
+        stream = out.add_stream("mpeg4", rate=fps, options={"qscale": "2"})
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(coded):
+            frame = av.VideoFrame.from_ndarray(coded_frame(i, 64, 48), format="rgb24")
+            frame.pts, frame.time_base = round(i * step), Fraction(1, fps)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def avi_declaring_more_frames(n_frames: int = 150, declared: int = 151, fps: int = 25) -> bytes:
+    """An MPEG-4 AVI whose headers (avih total frames, strh length) count more frames than it
+    codes, as some encoders write it."""
+    data = bytearray(encode_video("mpeg4", container="avi", n_frames=n_frames, fps=fps))
+    # Offsets from the chunk's four-character code: avih dwTotalFrames, strh dwLength.
+    for tag, offset in ((b"avih", 24), (b"strh", 40)):
+        at = data.index(tag) + offset
+        assert int.from_bytes(data[at : at + 4], "little") == n_frames
+        data[at : at + 4] = declared.to_bytes(4, "little")
+    return bytes(data)

@@ -13,14 +13,22 @@ from schemas.codes import ErrorCode
 from tests import media_images as imgs
 
 
-def _video(container: str, codec: str, frames: int = 4) -> bytes:
+def _video(
+    container: str,
+    codec: str,
+    frames: int = 4,
+    *,
+    size: tuple[int, int] = (64, 48),
+    rate: int = 10,
+) -> bytes:
     """A tiny real video from PyAV, so the sniffer is tested on what muxers really write."""
+    width, height = size
     out = io.BytesIO()
     with av.open(out, mode="w", format=container) as muxer:
-        stream = muxer.add_stream(codec, rate=10)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream = muxer.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
-            pixels = np.full((48, 64, 3), i * 40, dtype=np.uint8)
+            pixels = np.full((height, width, 3), i * 40, dtype=np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                 muxer.mux(packet)
         for packet in stream.encode():
@@ -41,10 +49,27 @@ def _video(container: str, codec: str, frames: int = 4) -> bytes:
         (imgs.animated_webp, "webp"),
         (imgs.cmyk_jpeg, "jpeg"),
         (imgs.png16, "png"),
+        (imgs.avif, "avif"),
+        (imgs.heic, "heif"),
     ],
 )
 def test_images_are_recognised(build, fmt):
     assert sniff(build(40, 30)) == MediaType("image", fmt)
+
+
+@pytest.mark.parametrize(
+    ("head", "fmt"),
+    [
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", "heif"),
+        (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf", "avif"),
+        # The generic HEIF brand: the compatible brands say whether the pictures are AV1 ...
+        (b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1avif", "avif"),
+        # ... or HEVC, as in burst and Live Photo stills.
+        (b"\x00\x00\x00\x18ftypmsf1\x00\x00\x00\x00msf1hevc", "heif"),
+    ],
+)
+def test_heif_family_stills_are_images_by_brand(head, fmt):
+    assert sniff(head) == MediaType("image", fmt)
 
 
 def test_big_endian_tiff_is_recognised():
@@ -71,9 +96,40 @@ def test_real_videos_are_recognised(container, codec, fmt):
     assert sniff(_video(container, codec)) == MediaType("video", fmt)
 
 
-def test_ogg_with_theora_is_video():
-    page = b"OggS\x00\x02" + b"\x00" * 20 + b"\x01\x2a" + b"\x80theora\x03\x02\x01"
-    assert sniff(page) == MediaType("video", "ogg")
+@pytest.mark.parametrize(
+    ("container", "codec", "fmt", "size", "rate"),
+    [
+        # None of these has a signature here: FFmpeg's probe finds the container and a
+        # decodable video stream in it, and that alone makes them videos.
+        ("asf", "wmv2", "asf", (64, 48), 10),
+        ("ogg", "libvpx", "ogg", (64, 48), 10),
+        ("mxf", "mpeg2video", "mxf", (64, 48), 25),
+        ("nut", "mpeg4", "nut", (64, 48), 10),
+        ("ivf", "libvpx", "ivf", (64, 48), 10),
+        ("yuv4mpegpipe", "rawvideo", "yuv4mpegpipe", (64, 48), 10),
+        # 3GP shares the ftyp box with mp4; its own brand names it.
+        ("3gp", "h263", "3gp", (176, 144), 10),
+    ],
+)
+def test_containers_without_a_signature_are_videos_by_ffmpegs_probe(
+    container, codec, fmt, size, rate
+):
+    assert sniff(_video(container, codec, size=size, rate=rate)) == MediaType("video", fmt)
+
+
+def test_ogg_audio_is_refused_by_what_ffmpeg_finds_in_it():
+    from tests.media_videos import encode_audio_only
+
+    with pytest.raises(UnsupportedMedia, match=r"ogg without a video stream \(streams: audio\)"):
+        sniff(encode_audio_only(fmt="ogg", codec="flac"))
+
+
+@pytest.mark.parametrize("fmt", ["PPM", "ICO", "PCX", "SGI", "QOI", "DDS"])
+def test_stills_ffmpeg_reads_are_not_videos(fmt):
+    # FFmpeg would call each a one-frame video; it is an image Pillow may not open here.
+    data = imgs.encode(imgs.rgb_image(32, 32), fmt)
+    with pytest.raises(UnsupportedMedia, match="still image"):
+        sniff(data)
 
 
 @pytest.mark.parametrize(
@@ -87,11 +143,9 @@ def test_ogg_with_theora_is_video():
         (b'{"error": "not found"}', "JSON"),
         (b"BMW is a car maker, not a bitmap header.", "text"),
         (b"\x00\x00\x00\x18ftypM4A \x00\x00\x02\x00M4A mp42isom", "audio"),
-        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", "HEIC"),
-        (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1", "AVIF"),
         (b"RIFF\x24\x00\x00\x00WAVEfmt \x10\x00\x00\x00", "WAV"),
-        (b"OggS\x00\x02" + b"\x00" * 20 + b"\x01\x1e\x01vorbis\x00\x00", "Ogg"),
         (bytes(range(200, 256)) * 4, "not recognised"),
+        (np.random.default_rng(7).bytes(4096), "not recognised"),
         ("naïve café text, still text".encode(), "text"),
     ],
 )
