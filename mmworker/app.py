@@ -34,7 +34,12 @@ def make_cache(cfg: WorkerConfig) -> FeatureCache:
 
 
 def encoder_store_dir(cfg: WorkerConfig) -> Path | None:
-    """Where vLLM's vision-encoder outputs persist (None: not kept across processes)."""
+    """Root of vLLM's vision-encoder outputs kept across processes (None: not kept).
+
+    The engine's store keeps each model's outputs in `<root>/<identity digest>/` (see
+    `mmworker.engine.identity`), so models sharing this volume never read each other's; the
+    root is what `_prune_forever` bounds: one budget over every model that has used it.
+    """
     if not (cfg.cache.enabled and cfg.cache.encoder_outputs):
         return None
     path = cfg.cache.directory / "encoder"

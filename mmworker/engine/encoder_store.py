@@ -9,39 +9,142 @@ missing, load what is there) does the plumbing; its file connector is vLLM's "si
 implementation", which writes the final file in place. Here a write goes to a temporary name and
 is renamed, so another worker process (or this engine's scheduler) never loads half a tensor, and
 a hit refreshes the file's mtime, which the worker's pruning (`mmworker.cache.prune_lru_files`)
-treats as recent use. Entries are keyed by vLLM's mm hash, which is our feature key (content +
-preprocessing parameters), so a different size or frame rate is a different entry.
+treats as recent use.
+
+Entries are keyed by vLLM's mm hash, which is our feature key (content + preprocessing
+parameters), *under a directory per model identity* (`mmworker.engine.identity`):
+`<root>/<identity digest>/<mm hash>/encoder_cache.safetensors`, with `identity.json` beside the
+entries. The mm hash says nothing about the model, and embeddings of one model fed to another
+give wrong captions without any error. The identity is derived here, inside the engine, from the
+configuration vLLM actually resolved (dtype "auto" becomes the dtype it picked on this host, a
+quantization method the one it chose), so every user of the connector gets it, whatever path it
+was handed. The scheduler's and each worker's connector derive it from the same configuration
+and the same files, so they agree on the directory (for a Hub model, pin `model_revision` to a
+commit: "main" moving during a start-up would otherwise split them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
-#: The file vLLM's connector reads for an mm hash: `<root>/<mm_hash>/encoder_cache.safetensors`.
+from mmworker.engine.identity import (
+    IDENTITY_FILE,
+    ModelIdentity,
+    ModelIdentityError,
+    identify_model,
+    write_identity_file,
+)
+
+log = logging.getLogger(__name__)
+
+#: The file vLLM's connector reads for an mm hash: `<dir>/<mm_hash>/encoder_cache.safetensors`.
 FILE_NAME = "encoder_cache.safetensors"
+#: Where a connector that could not identify its model points: never written, so a load there
+#: fails loudly instead of finding another model's entries.
+UNIDENTIFIED = "unidentified"
 
 
 class DiskEncoderStore(ECExampleConnector):
+    def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config, role)
+        root = Path(self._storage_path)
+        self.identity: ModelIdentity | None
+        try:
+            self.identity = model_identity(vllm_config)
+        except (ModelIdentityError, OSError) as exc:
+            # A store is an optimisation: without an identity the engine runs uncached rather
+            # than refusing to start or risking another model's embeddings.
+            log.warning("encoder store off: cannot identify the model (%s)", exc)
+            self.identity = None
+            self._storage_path = str(root / UNIDENTIFIED)
+            return
+        directory = root / self.identity.digest
+        self._storage_path = str(directory)
+        if self.is_producer:
+            self._write_label()
+        if role == ECConnectorRole.SCHEDULER:
+            log.info("encoder store for %s: %s", self.identity.model, directory)
+
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
-        if not self.is_producer:
+        if not self.is_producer or self.identity is None:
             return
-        final = self._generate_filename_debug(mm_hash)
-        if os.path.exists(final):  # another process stored it meanwhile
+        tmp = None
+        try:
+            final = self._generate_filename_debug(mm_hash)
+            if os.path.exists(final):  # another process stored it meanwhile
+                return
+            tensors = {"ec_cache": encoder_cache[mm_hash].detach().cpu()}
+            tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
+            safetensors.torch.save_file(tensors, tmp)
+            os.replace(tmp, final)
+        except OSError as exc:
+            # Disk full, permissions, or pruning removing the directory meanwhile: this output
+            # is simply not kept, and the request that computed it is not failed for that.
+            log.warning("encoder store: cannot save %s: %s", mm_hash, exc)
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
             return
-        tensors = {"ec_cache": encoder_cache[mm_hash].detach().cpu()}
-        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
-        safetensors.torch.save_file(tensors, tmp)
-        os.replace(tmp, final)
+        self._refresh_label()
 
     def has_cache_item(self, identifier: str) -> bool:
+        if self.identity is None:
+            return False
         path = os.path.join(self._storage_path, identifier, FILE_NAME)
         try:
             os.utime(path)  # a use: pruning keeps recently used entries
         except FileNotFoundError:
             return False
         return True
+
+    def _refresh_label(self) -> None:
+        """Keep identity.json as recent as the last write next to it, and put it back if
+        pruning (which sees it as just another old file) removed it."""
+        try:
+            os.utime(os.path.join(self._storage_path, IDENTITY_FILE))
+        except FileNotFoundError:
+            self._write_label()
+        except OSError as exc:
+            log.debug("encoder store: cannot touch %s: %s", IDENTITY_FILE, exc)
+
+    def _write_label(self) -> None:
+        assert self.identity is not None
+        try:
+            write_identity_file(Path(self._storage_path), self.identity)
+        except OSError as exc:  # e.g. a read-only volume: entries cannot be written either
+            log.warning("encoder store: cannot write %s: %s", IDENTITY_FILE, exc)
+
+
+def model_identity(vllm_config: Any) -> ModelIdentity:
+    """The identity of the model this engine runs, from vLLM's resolved configuration."""
+    import vllm
+
+    model_config = vllm_config.model_config
+    overrides: dict[str, object] = {}
+    for name in ("hf_overrides", "quantization_config", "model_weights"):
+        value = getattr(model_config, name, None)
+        if value:
+            overrides[name] = value
+    multimodal = getattr(model_config, "multimodal_config", None)
+    mm_kwargs = getattr(multimodal, "mm_processor_kwargs", None)
+    if mm_kwargs:
+        overrides["mm_processor_kwargs"] = mm_kwargs
+    load_format = vllm_config.load_config.load_format  # a str, or an enum in some releases
+    return identify_model(
+        model_config.model,
+        revision=model_config.revision,
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=model_config.quantization,
+        load_format=str(getattr(load_format, "value", load_format)),
+        vllm_version=str(vllm.__version__),
+        overrides=overrides,
+    )
