@@ -35,7 +35,7 @@ def _metric(port: int, name: str) -> float:
 
 
 def _entries(store: Path) -> dict[str, float]:
-    return {f.parent.name: f.stat().st_mtime for f in store.glob("*/encoder_cache.safetensors")}
+    return {f.parent.name: f.stat().st_mtime for f in store.glob("*/*/encoder_cache.safetensors")}
 
 
 def test_two_processes_share_the_partitions_and_drain_on_sigterm(
