@@ -258,6 +258,9 @@ def _build_video(frames: _Array, m: dict[str, Any]) -> PreparedVideo:
         source_fps=float(m["source_fps"]),
         total_num_frames=int(m["total_num_frames"]),
         sample_fps=float(m["sample_fps"]),
+        # Entries written before partial videos existed are whole videos.
+        partial=bool(m.get("partial", False)),
+        full_duration_s=None if m.get("full_duration_s") is None else float(m["full_duration_s"]),
     )
 
 
@@ -319,6 +322,8 @@ class DiskFeatureCache:
             "source_fps": video.source_fps,
             "total_num_frames": video.total_num_frames,
             "sample_fps": video.sample_fps,
+            "partial": video.partial,
+            "full_duration_s": video.full_duration_s,
         }
         self._put(key, _KIND_VIDEO, video.frames, meta)
 

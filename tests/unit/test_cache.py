@@ -102,6 +102,19 @@ def test_video_round_trip_exact_metadata(tmp_path: Path) -> None:
     assert got.total_num_frames == video.total_num_frames
     assert got.sample_fps == video.sample_fps
     assert got.vllm_metadata() == video.vllm_metadata()
+    assert got.partial is False and got.full_duration_s is None
+
+
+def test_a_partial_video_stays_partial_on_a_cache_hit(tmp_path: Path) -> None:
+    import dataclasses
+
+    c = DiskFeatureCache(tmp_path, max_bytes=10 * MB)
+    video = dataclasses.replace(sample_video(), partial=True, full_duration_s=6.0)
+    key = make_key(media_hash("cut"), VideoParams())
+    c.put_video(key, video)
+    got = c.get_video(key)
+    assert got is not None
+    assert got.partial is True and got.full_duration_s == 6.0
 
 
 def test_non_contiguous_input_round_trips(tmp_path: Path) -> None:
