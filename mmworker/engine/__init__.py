@@ -203,7 +203,8 @@ class Engine:
         t0 = time.monotonic()
         final = None
         try:
-            async for out in self._llm.generate(prompt, sampling, request_id=request_id):
+            engine_input = self._render(prompt)
+            async for out in self._llm.generate(engine_input, sampling, request_id=request_id):
                 final = out
         except EngineDeadError as exc:
             raise EngineFatal(f"engine died: {exc}") from exc
@@ -228,6 +229,21 @@ class Engine:
             output_tokens=len(choice.token_ids),
             engine_s=time.monotonic() - t0,
         )
+
+    def _render(self, prompt: dict[str, Any]) -> Any:
+        """Render the prompt (tokens, multimodal processing) through vLLM's renderer ourselves:
+        handing raw prompts to the engine is deprecated from vLLM 0.3x on. Releases without the
+        renderer (0.25 on the GPU host) still take the raw prompt."""
+        renderer = getattr(self._llm, "renderer", None)
+        if renderer is None:
+            return prompt
+        try:
+            from vllm.renderers.inputs.preprocess import parse_model_prompt
+        except ImportError:
+            return prompt
+        parsed = parse_model_prompt(self._llm.model_config, prompt)
+        (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        return engine_input
 
     def _enter(self) -> None:
         if self._active == 0:
