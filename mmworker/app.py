@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from mmworker import lifeline
+from mmworker import lifeline, logs
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
@@ -23,6 +23,8 @@ from preprocess.prepare import warm_up
 log = logging.getLogger(__name__)
 
 PRUNE_EVERY_S = 300.0
+#: Interval of the worker's one-line progress summary while it has work.
+SUMMARY_EVERY_S = 30.0
 
 
 def make_cache(cfg: WorkerConfig) -> FeatureCache:
@@ -60,6 +62,25 @@ async def _prune_forever(root: Path, max_bytes: int, pool: ThreadPoolExecutor) -
         await asyncio.sleep(PRUNE_EVERY_S)
 
 
+async def _summarise_forever(metrics: Metrics, every_s: float = SUMMARY_EVERY_S) -> None:
+    """One line per `every_s` while there is work: what the worker is doing, without turning
+    on DEBUG or scraping metrics. Silent while idle."""
+    sample = metrics.registry.get_sample_value
+    last = 0.0
+    while True:
+        await asyncio.sleep(every_s)
+        ok = sample("mmworker_jobs_total", {"outcome": "result"}) or 0.0
+        failed = sample("mmworker_jobs_total", {"outcome": "failure"}) or 0.0
+        held = sample("mmworker_in_flight") or 0.0
+        if ok + failed == last and not held:
+            continue
+        log.info(
+            "%d ok, %d failed, %d in flight; %.2f jobs/s over the last %gs",
+            ok, failed, held, (ok + failed - last) / every_s, every_s,
+        )  # fmt: skip
+        last = ok + failed
+
+
 def model_cache_dir() -> Path:
     """Where the `tiny` test model is built once per machine."""
     return cache_home() / "mmworker" / "models"
@@ -76,6 +97,7 @@ def run_worker(
     `ready` is called once the engine is up and `go` (blocking) before the first poll: the
     hooks `mmworker.processes` uses to start several engines one at a time and then consume.
     """
+    logs.quiet_libraries(cfg.log_level)  # before vLLM starts: its processes read it at start
     return asyncio.run(_serve(cfg, create_topics, ready, go))
 
 
@@ -101,6 +123,7 @@ async def _serve(
     engine: Engine | None = None
     store = encoder_store_dir(cfg)
     pruning = None
+    summary: asyncio.Task[None] | None = None
     if store is not None:
         pruning = asyncio.create_task(_prune_forever(store, cfg.cache.encoder_max_bytes, io_pool))
     try:
@@ -125,6 +148,7 @@ async def _serve(
         runner = JobRunner(cfg, engine, media, metrics)
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
+        summary = asyncio.create_task(_summarise_forever(metrics))
         code = await worker.run()
         stats = cache.stats()
         log.info(
@@ -133,6 +157,8 @@ async def _serve(
         )  # fmt: skip
         return code
     finally:
+        if summary is not None:
+            summary.cancel()
         if pruning is not None:
             pruning.cancel()
         if engine is not None:

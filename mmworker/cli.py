@@ -1,18 +1,30 @@
-"""`mmworker` command line: run, demo, submit, tail, schema, config, tiny-model."""
+"""`mmworker` command line: run, demo, submit, tail, broker, schema, config, tiny-model.
+
+What a person meets first has to explain itself: every expected failure (a configuration mistake,
+brokers out of reach, a model that is not there) ends in one line on stderr that names the cause,
+where the setting came from and the fix, with exit code 2; `--debug` adds the traceback. `run`
+makes the cheap checks (configuration, model, brokers) before the engine, the slow part, starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import logging
 import os
+import re
 import sys
+import tomllib
+import traceback
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from mmworker.errors import WorkerError
+from mmworker import __version__, logs
+from mmworker.errors import ConfigError, WorkerError
 from mmworker.exits import ExitCode, Interrupted, stop_on_signals
 
 # Flags for the settings people change most; anything else goes through --set or the environment.
@@ -29,19 +41,79 @@ _RUN_FLAGS: dict[str, tuple[str, type]] = {
     "--worker-id": ("worker_id", str),
     "--processes": ("processes", int),
 }
+_METAVARS = {
+    "--bootstrap-servers": "HOST:PORT[,...]",
+    "--group-id": "GROUP",
+    "--input-topic": "TOPIC",
+    "--output-topic": "TOPIC",
+    "--dead-letter-topic": "TOPIC",
+    "--model": "ID_OR_DIR",
+    "--max-in-flight": "N",
+    "--cache-dir": "DIR",
+    "--metrics-port": "PORT",
+    "--worker-id": "NAME",
+    "--processes": "N",
+}
+#: How long `run`, `submit` and `tail` try the brokers before saying they cannot be reached.
+BROKER_CHECK_S = 10.0
+#: How long `run` waits for the Hugging Face Hub to confirm a model it must download.
+HUB_CHECK_S = 10.0
+#: Exit code of a command whose reader went away (`mmworker tail | head`), as if by SIGPIPE.
+EXIT_PIPE_CLOSED = 141
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="TOML file (also MMWORKER_CONFIG)")
-    for flag, (path, kind) in _RUN_FLAGS.items():
-        p.add_argument(flag, type=kind, dest=path.replace(".", "__"), help=f"sets {path}")
+class _Help(argparse.HelpFormatter):
+    """Shows each option's default, where it has one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default == []:
+            return text
+        if default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _describe(path: str) -> str:
+    from mmworker.config import WorkerConfig
+
+    section, _, leaf = path.partition(".")
+    field = WorkerConfig.model_fields[section]
+    if leaf and isinstance(field.annotation, type):
+        field = field.annotation.model_fields[leaf]
+    return field.description or ""
+
+
+def _connection_args(p: argparse.ArgumentParser, flags: tuple[str, ...] = ()) -> None:
+    """The options every command that reads the worker's configuration shares."""
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the worker's TOML file (also MMWORKER_CONFIG); MMWORKER_* variables apply too",
+    )
+    for flag in ("--bootstrap-servers", *flags):
+        path, kind = _RUN_FLAGS[flag]
+        p.add_argument(
+            flag,
+            type=kind,
+            dest=path.replace(".", "__"),
+            metavar=_METAVARS[flag],
+            help=f"{_describe(path)} ({path})",
+        )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any setting by dotted path, e.g. --set engine.max_num_seqs=64 (value parsed as JSON)",
+        help="any setting by dotted path, e.g. --set engine.max_num_seqs=64; the value is read as "
+        "JSON, so lists are --set 'preprocess.allowed_roots=[\"/data\"]'",
     )
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    _connection_args(p, tuple(flag for flag in _RUN_FLAGS if flag != "--bootstrap-servers"))
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,10 +124,12 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, path.replace(".", "__"), None)
         if value is not None:
             pairs.append((path, value))
-    for item in args.set:
+    for item in getattr(args, "set", []):
         key, sep, raw = item.partition("=")
-        if not sep:
-            raise WorkerError(f"--set needs KEY=VALUE, got {item!r}")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--set needs KEY=VALUE, got {item!r}: e.g. --set limits.max_in_flight=64"
+            )
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -65,9 +139,83 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         *parents, leaf = path.split(".")
         node = out
         for part in parents:
-            node = node.setdefault(part, {})
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {path}: {part} is a setting, not a section")
+            node = child
         node[leaf] = value
     return out
+
+
+def _toml_path(args: argparse.Namespace) -> Path | None:
+    given = getattr(args, "config", None)
+    env = os.environ.get("MMWORKER_CONFIG")
+    return given or (Path(env) if env else None)
+
+
+def setting_source(path: str, args: argparse.Namespace) -> str:
+    """Where the effective value of a dotted setting (or a whole section) came from: the flag,
+    `--set`, the environment variable, the config file or the default. Error messages name it,
+    because the fix is made there."""
+    parts = path.split(".")
+    for flag, (flag_path, _kind) in _RUN_FLAGS.items():
+        if flag_path == path and getattr(args, flag_path.replace(".", "__"), None) is not None:
+            return flag
+    for item in getattr(args, "set", []):
+        key = item.partition("=")[0].strip()
+        if key == path or key.startswith(f"{path}."):
+            return f"--set {key}"
+    env = "MMWORKER_" + "__".join(p.upper() for p in parts)
+    if env in os.environ:
+        return env
+    found = sorted(n for n in os.environ if n.startswith(f"{env}__"))
+    if found:
+        return ", ".join(found)
+    if len(parts) > 1 and f"MMWORKER_{parts[0].upper()}" in os.environ:
+        return f"MMWORKER_{parts[0].upper()}"
+    toml = _toml_path(args)
+    if toml is not None and toml.is_file():
+        with contextlib.suppress(OSError, tomllib.TOMLDecodeError):
+            node: Any = tomllib.loads(toml.read_text())
+            for part in parts:
+                node = node[part] if isinstance(node, dict) and part in node else None
+            if node is not None:
+                return f"config file {toml}"
+    return "the default"
+
+
+def explain_invalid(exc: ValidationError, args: argparse.Namespace) -> str:
+    """pydantic's multi-line report as one line: each bad setting, its value, its source, and
+    what to write instead."""
+    parts: list[str] = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        source = setting_source(path, args)
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            msg = "no such setting (`mmworker config --reference` lists them all)"
+        elif err["type"] in ("tuple_type", "list_type", "dict_type", "model_type"):
+            msg += f"; {_json_hint(path, value, source)}"
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        parts.append(f"{path}{shown} (from {source}): {msg}")
+    return "invalid configuration: " + "; ".join(parts)
+
+
+def _json_hint(path: str, value: object, source: str) -> str:
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()] or ["/data/media"]
+    else:
+        items = ["/data/media"]
+    example = json.dumps(items)
+    leaf = path.rpartition(".")[2]
+    if source.startswith("--set"):
+        return f"lists are JSON: --set '{path}={example}'"
+    if source.startswith("MMWORKER_"):
+        return f"lists are JSON: {source}='{example}'"
+    if source.startswith("config file"):
+        return f"write {leaf} = {example} in the file"
+    return f"write it as a list, e.g. {example}"
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -76,9 +224,91 @@ def _load(args: argparse.Namespace) -> Any:
     return load_config(args.config, **overrides_from(args))
 
 
+def check_model(model: str, source: str) -> None:
+    """Find out in a second what the engine would find out after its start-up (a 63-line
+    traceback): a local model directory that is not there, or a Hub model that cannot be had."""
+    from mmworker.config import TINY_MODEL
+
+    if model == TINY_MODEL:
+        return
+    where = f"engine.model={model!r} (from {source})"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"{where} is a directory without config.json: point engine.model at a Hugging "
+                "Face model directory (config.json, tokenizer, *.safetensors)"
+            )
+        return
+    if path.exists():
+        return  # a single-file checkpoint (GGUF): vLLM decides
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) or model.startswith("."):
+        raise ConfigError(
+            f"{where}: no such directory: fix the path, or name a Hugging Face model such as "
+            "Qwen/Qwen2.5-VL-3B-Instruct"
+        )
+    if os.environ.get("VLLM_USE_MODELSCOPE", "").lower() in ("1", "true"):
+        return  # another hub: vLLM looks it up there
+    _check_hub_model(model, where)
+
+
+def _check_hub_model(model: str, where: str) -> None:
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return
+    cache = constants.HF_HUB_CACHE
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(
+            f"{where} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+            f"download it where there is network (`hf download {model}`) into that cache, or "
+            "set engine.model to a local model directory"
+        )
+    try:
+        HfApi().model_info(model, timeout=HUB_CHECK_S)
+    except RepositoryNotFoundError as exc:
+        raise ConfigError(
+            f"{where}: the Hugging Face Hub has no such model, or it needs a login "
+            f"({type(exc).__name__}): check the name, or set HF_TOKEN"
+        ) from exc
+    except HfHubHTTPError as exc:
+        raise ConfigError(
+            f"{where}: the Hugging Face Hub ({constants.ENDPOINT}) refused the lookup "
+            f"({str(exc).splitlines()[0]}): set HF_TOKEN if the model needs one, or set "
+            "engine.model to a local model directory"
+        ) from exc
+    except _transport_errors() as exc:
+        raise ConfigError(
+            f"{where} is not in the Hugging Face cache ({cache}) and the Hub "
+            f"({constants.ENDPOINT}) cannot be reached ({type(exc).__name__}: {exc}): fix the "
+            f"network or proxy, or download it elsewhere (`hf download {model}`) and set "
+            "engine.model to its directory"
+        ) from exc
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's connection errors: huggingface_hub moved from requests (OSError) to
+    httpx and httpx2 across the versions the two vLLM builds pull in."""
+    found: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError):
+            found.append(importlib.import_module(name).HTTPError)
+    return tuple(found)
+
+
+def _check_brokers(cfg: Any, args: argparse.Namespace) -> None:
+    from mmworker.kafka_io import check_brokers
+
+    check_brokers(cfg.kafka, BROKER_CHECK_S, source=setting_source("kafka.bootstrap_servers", args))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    logging.getLogger().setLevel(cfg.log_level)
+    logs.setup(cfg.log_level)
+    check_model(cfg.engine.model, setting_source("engine.model", args))
+    _check_brokers(cfg, args)
+    logs.quiet_libraries(cfg.log_level)
     if cfg.processes > 1:
         from mmworker.processes import run_processes
 
@@ -128,15 +358,26 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from mmworker.tools import submit
+    from mmworker.tools import check_sampling, submit
 
-    return submit(args)
+    cfg = _load(args)
+    check_sampling(args)
+    _check_brokers(cfg, args)
+    return submit(args, cfg)
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from mmworker.tools import tail
 
-    return tail(args)
+    cfg = _load(args)
+    _check_brokers(cfg, args)
+    return tail(args, cfg)
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from mmworker.broker import run_broker
+
+    return run_broker(args.port, args.partitions)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -146,52 +387,97 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmworker", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mmworker", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"mmworker {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an expected failure too"
+    )
+    # Also accepted after the command (`mmworker run --debug`); SUPPRESS keeps the one above.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("run", help="consume jobs and publish captions until SIGTERM")
+    def command(name: str, helptext: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=helptext, description=helptext, parents=[common], formatter_class=_Help
+        )
+
+    p = command("run", "consume jobs and publish captions until SIGTERM/Ctrl-C")
     _config_args(p)
-    p.add_argument("--create-topics", type=int, metavar="PARTITIONS", help="create missing topics")
+    p.add_argument(
+        "--create-topics", type=int, metavar="PARTITIONS",
+        help="create the worker's topics that are missing, with this many partitions",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("demo", help="embedded broker + tiny model + sample jobs, then exit")
+    p = command("demo", "embedded broker + tiny model + sample jobs, then exit")
     p.add_argument("--keep", action="store_true", help="keep the worker's temp dir for a look")
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("submit", help="post jobs for files, directories or URLs")
-    p.add_argument("sources", nargs="+", help="image/video files, directories, or http(s) URLs")
-    p.add_argument("--bootstrap-servers", default="localhost:9092")
-    p.add_argument("--topic", default="mmworker.jobs")
-    p.add_argument("--prompt", help="instruction; a default per media kind when absent")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p = command("submit", "post one job per image/video file, directory entry or URL")
     p.add_argument(
-        "--inline-max-bytes", type=int, default=768 * 1024,
-        help="embed files up to this size; larger ones are sent as file:// URIs",
+        "sources", nargs="+", metavar="PATH_OR_URL",
+        help="files, directories (walked; media found by content, not name) or http(s):// URLs",
     )  # fmt: skip
-    p.add_argument("--repeat", type=int, default=1, help="post each source this many times")
+    _connection_args(p)
+    p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
+    p.add_argument("--prompt", help="instruction; a default per media kind when absent")
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="longest caption")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 is greedy decoding"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, metavar="N", help="sampling seed (repeatable captions)")
+    p.add_argument(
+        "--inline-max-bytes", type=int, default=768 * 1024, metavar="BYTES",
+        help="embed files up to this size in the job; larger ones are sent as file:// URIs, "
+        "which the worker reads only under preprocess.allowed_roots",
+    )  # fmt: skip
+    p.add_argument(
+        "--repeat", type=int, default=1, metavar="N", help="post each source this many times"
+    )
     p.set_defaults(fn=cmd_submit)
 
-    p = sub.add_parser("tail", help="print results and failures")
-    p.add_argument("--bootstrap-servers", default="localhost:9092")
-    p.add_argument("--topics", nargs="+", default=["mmworker.results", "mmworker.dead-letter"])
-    p.add_argument("--follow", "-f", action="store_true", help="keep waiting for new records")
-    p.add_argument("--timeout", type=float, default=5.0, help="stop after this long idle")
+    p = command("tail", "print results and failures, one line each")
+    _connection_args(p)
+    p.add_argument(
+        "--topics", nargs="+", metavar="TOPIC",
+        help="what to read (default: kafka.output_topic and kafka.dead_letter_topic)",
+    )  # fmt: skip
+    p.add_argument(
+        "--follow", "-f", action="store_true", help="keep waiting for new records until Ctrl-C"
+    )
+    p.add_argument("--from-now", action="store_true", help="only records that arrive from now on")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS",
+        help="without -f: stop after this long without a new record",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="raw JSON lines instead of a summary")
     p.set_defaults(fn=cmd_tail)
 
-    p = sub.add_parser("schema", help="print the JSON Schemas of the wire messages")
+    p = command("broker", "an in-memory Kafka-protocol broker on 127.0.0.1, until Ctrl-C (dev)")
+    p.add_argument("--port", type=int, default=9092, help="port on 127.0.0.1")
+    p.add_argument(
+        "--partitions", type=int, default=3, metavar="N",
+        help="create the default worker topics with N partitions (0: none)",
+    )  # fmt: skip
+    p.set_defaults(fn=cmd_broker)
+
+    p = command("schema", "print the JSON Schemas of the wire messages")
     p.add_argument("name", nargs="?", choices=["job", "result", "failure"])
     p.set_defaults(fn=cmd_schema)
 
-    p = sub.add_parser("config", help="print the effective config (secrets masked)")
+    p = command("config", "print the effective config (secrets masked)")
     _config_args(p)
     p.add_argument("--reference", action="store_true", help="every setting, as Markdown")
     p.set_defaults(fn=cmd_config)
 
-    p = sub.add_parser("tiny-model", help="build a random-weight Qwen2.5-VL for tests")
+    p = command("tiny-model", "build a random-weight Qwen2.5-VL for tests")
     p.add_argument("directory", type=Path)
-    p.add_argument("--arch", choices=["tiny", "3b"], default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=["tiny", "3b"], default="tiny", help="architecture")
+    p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.set_defaults(fn=cmd_tiny_model)
     return parser
 
@@ -206,20 +492,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # kafka-python narrates every connection at INFO; its warnings still show.
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    logs.setup("INFO")
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
     except ValidationError as exc:
-        print(f"mmworker: invalid configuration:\n{exc}", file=sys.stderr)
-        return 2
+        return _fail(explain_invalid(exc, args), args)
     except WorkerError as exc:
-        print(f"mmworker: {exc.message}", file=sys.stderr)
-        return 2
+        return _fail(exc.message, args)
+    except BrokenPipeError:
+        # The reader (`| head`) has gone: stop quietly, and let nothing flush into the pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def _fail(message: str, args: argparse.Namespace) -> int:
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+    # One line, whatever the message carries (a broker's output, a nested error).
+    line = " | ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"mmworker: {line}", file=sys.stderr)
+    return ExitCode.USAGE
 
 
 if __name__ == "__main__":

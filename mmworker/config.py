@@ -8,11 +8,13 @@ and the README's config reference come from one place.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import (
     BaseModel,
@@ -21,6 +23,7 @@ from pydantic import (
     IPvAnyNetwork,
     JsonValue,
     SecretStr,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import (
@@ -121,7 +124,15 @@ class KafkaConfig(_Section):
         if self.security_protocol.startswith("SASL") and not (
             self.sasl_mechanism and self.sasl_username and self.sasl_password
         ):
-            raise ValueError("SASL needs sasl_mechanism, sasl_username and sasl_password")
+            missing = [
+                f"kafka.{name} (MMWORKER_KAFKA__{name.upper()})"
+                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                if not getattr(self, name)
+            ]
+            raise ValueError(
+                f"SASL needs {', '.join(missing)} with security_protocol "
+                f"{self.security_protocol}: set them in the environment or the config file"
+            )
         return self
 
     def client_kwargs(self) -> dict[str, Any]:
@@ -387,8 +398,16 @@ class WorkerConfig(BaseSettings):
         "process's vLLM input processing (a single Python thread) can't keep the GPU busy",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Worker log level"
+        "INFO",
+        description="Worker log level (any case); also sets vLLM's and kafka-python's: WARNING "
+        "unless DEBUG",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        known = ("DEBUG", "INFO", "WARNING", "ERROR")
+        return value.upper() if isinstance(value, str) and value.upper() in known else value
 
     @classmethod
     def settings_customise_sources(
@@ -411,12 +430,57 @@ class WorkerConfig(BaseSettings):
 
 
 def load_config(toml_file: Path | None = None, **overrides: Any) -> WorkerConfig:
-    """Build the config from overrides, env, the TOML file and defaults (in that order)."""
+    """Build the config from overrides, env, the TOML file and defaults (in that order).
+
+    Mistakes that pydantic would report without naming their source (a TOML syntax error, an
+    environment list that is not JSON) become a `ConfigError` naming the file or the variable.
+    """
     path = toml_file or (Path(p) if (p := os.environ.get("MMWORKER_CONFIG")) else None)
     if path is not None and not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        name = "--config" if toml_file else "MMWORKER_CONFIG"
+        raise ConfigError(f"config file {path} (from {name}) does not exist: fix the path")
+    _check_env_json()
     token = _TOML_FILE.set(path)
     try:
         return WorkerConfig(**overrides)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}: fix the file") from exc
     finally:
         _TOML_FILE.reset(token)
+
+
+def _check_env_json() -> None:
+    """Lists, tables and sections in the environment must be JSON; pydantic-settings only says
+    "error parsing value for field 'preprocess'", which names neither the variable nor the fix."""
+    for name, value in os.environ.items():
+        if not name.startswith("MMWORKER_"):
+            continue
+        section, _, key = name.removeprefix("MMWORKER_").lower().partition("__")
+        field = WorkerConfig.model_fields.get(section)
+        if field is None:
+            continue
+        annotation = field.annotation
+        if key and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(key)
+            if field is None:
+                continue
+            annotation = field.annotation
+        origin = get_origin(annotation) or annotation
+        if not (
+            origin in (tuple, list, dict)
+            or (isinstance(origin, type) and issubclass(origin, BaseModel))
+        ):
+            continue
+        try:
+            json.loads(value)
+        except json.JSONDecodeError:
+            example = '["/data/media"]'
+            if origin is dict:
+                example = '{"image": 4, "video": 1}' if "mm_per" in key else '{"name": "value"}'
+            if origin is tuple or origin is list:
+                items = ", ".join(json.dumps(v.strip()) for v in value.split(",") if v.strip())
+                example = f"[{items}]" if items else example
+            raise ConfigError(
+                f"{name}={value!r} is not JSON; lists and tables in the environment are "
+                f"written as JSON, e.g. {name}='{example}'"
+            ) from None

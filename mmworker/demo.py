@@ -99,7 +99,9 @@ def run_demo(keep_going: bool = False) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
-            if not keep_going:
+            if keep_going:
+                print(f"kept the worker's directory (features, sample video): {workdir}")
+            else:
                 import shutil
 
                 shutil.rmtree(workdir, ignore_errors=True)

@@ -7,8 +7,12 @@ producer is thread-safe and its acknowledgements are bridged onto the event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
@@ -65,6 +69,92 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
         compression_type=cfg.compression_type,
         **cfg.client_kwargs(),
     )
+
+
+def check_brokers(
+    cfg: KafkaConfig, timeout_s: float, source: str = "kafka.bootstrap_servers"
+) -> None:
+    """Reach the brokers within `timeout_s`, before anything slow starts, or raise a one-line
+    `ConfigError` naming the servers, where the setting came from (`source`) and the fix.
+
+    Why: kafka-python finds a missing broker only when a client first needs it, after the engine
+    has loaded (minutes on a GPU), and then logs every reconnect and fails with a long traceback.
+    A TCP connect to each bootstrap server says "refused" or "no such host" at once; a metadata
+    request through kafka-python then checks what TCP cannot: that it is Kafka, and that TLS and
+    SASL (`kafka.security_protocol`, ...) are accepted.
+    """
+    servers = [s.strip() for s in cfg.bootstrap_servers.split(",") if s.strip()]
+    where = f"kafka.bootstrap_servers={cfg.bootstrap_servers!r} (from {source})"
+    fix = (
+        "start Kafka there, or point kafka.bootstrap_servers at your brokers "
+        "(--bootstrap-servers, MMWORKER_KAFKA__BOOTSTRAP_SERVERS or [kafka] in the config file)"
+    )
+    deadline = time.monotonic() + timeout_s
+    problems: list[str] = []
+    reached = False
+    for server in servers:
+        host, sep, port = server.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"{where}: {server!r} is not host:port; write e.g. kafka-0:9092")
+        try:
+            remaining = max(0.1, deadline - time.monotonic())
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=remaining):
+                reached = True
+                break
+        except socket.gaierror:
+            problems.append(f"{server}: no such host")
+        except TimeoutError:
+            problems.append(f"{server}: no answer within {timeout_s:g}s")
+        except OSError as exc:
+            problems.append(f"{server}: {exc.strerror or type(exc).__name__}".lower())
+    if not reached:
+        raise ConfigError(f"cannot reach the Kafka brokers, {where}: {'; '.join(problems)}; {fix}")
+    remaining = max(1.0, deadline - time.monotonic())
+    outcome: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            admin = KafkaAdminClient(
+                **cfg.client_kwargs(),
+                bootstrap_timeout_ms=int(remaining * 1000),
+                request_timeout_ms=int(remaining * 1000),
+                reconnect_backoff_max_ms=500,
+            )
+            admin.close()
+        except (KafkaError, OSError, ValueError) as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    # In a thread of its own: kafka-python's bootstrap can wait past its own deadline (a TLS
+    # handshake with a plaintext listener never completes), and this check must not.
+    thread = threading.Thread(target=probe, name="check-brokers", daemon=True)
+    with _kafka_quiet():
+        thread.start()
+        thread.join(remaining + 1.0)
+    if outcome and outcome[0] is None:
+        return
+    detail = "no answer"
+    if outcome and outcome[0] is not None:
+        name, text = type(outcome[0]).__name__, str(outcome[0])
+        detail = text if text.startswith(name) else f"{name}: {text}".rstrip(": ")
+    raise ConfigError(
+        f"reached {where} over TCP, but it gave no Kafka answer within {timeout_s:g}s with "
+        f"kafka.security_protocol={cfg.security_protocol} ({detail}): check that it is a Kafka "
+        "listener and the TLS/SASL settings (kafka.security_protocol, kafka.sasl_*, kafka.ssl_*)"
+    )
+
+
+@contextlib.contextmanager
+def _kafka_quiet() -> Iterator[None]:
+    """kafka-python logs every failed attempt; the check reports the outcome once itself."""
+    logger = logging.getLogger("kafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 #: The suspects topic keeps the latest record per key and drops tombstones (suspects.py).

@@ -1,4 +1,11 @@
-"""`mmworker submit` and `mmworker tail`: the producer and reader a person uses by hand."""
+"""`mmworker submit` and `mmworker tail`: the producer and reader a person uses by hand.
+
+Both read the worker's own configuration (`--config`, `MMWORKER_*`, `--set`): the same brokers,
+TLS/SASL settings and topic names, so a deployment's settings are typed once. `submit` decides
+what it can send before sending: media are recognised by their bytes (the worker's own sniffing),
+and a file the worker would refuse to read is reported with the fix instead of becoming a
+`forbidden_uri` failure later.
+"""
 
 from __future__ import annotations
 
@@ -8,113 +15,257 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaError
+from pydantic import ValidationError
 from tqdm import tqdm
 
+from mmworker.config import WorkerConfig
+from mmworker.errors import ConfigError
+from mmworker.exits import ExitCode, Interrupted
+from preprocess.errors import UnsupportedMedia
+from preprocess.sniff import sniff
 from schemas import GenerationParams, Job, MediaRef
 
-_MEDIA_SUFFIXES = {
-    ".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff",
-    ".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v", ".ts",
-}  # fmt: skip
+#: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
+#: unusual container a few KiB to find its streams.
+SNIFF_BYTES = 256 * 1024
+_URL_PREFIXES = ("http://", "https://", "file://")
 
 
-def expand_sources(sources: list[str]) -> Iterator[str]:
-    """Directories become their media files (sorted, recursive); URLs and files pass through."""
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One thing to submit, or the reason it is skipped. `named`: given on the command line, so
+    skipping it is a failure; a non-media file met in a directory is only reported."""
+
+    name: str
+    skip: str | None = None
+    named: bool = True
+
+
+def expand_sources(sources: list[str]) -> Iterator[Source]:
+    """URLs pass through; files and the files under directories (sorted, recursive) are kept when
+    their bytes are an image or a video, whatever their names say."""
     for source in sources:
         path = Path(source)
-        if source.startswith(("http://", "https://", "file://")):
-            yield source
+        if source.startswith(_URL_PREFIXES):
+            yield Source(source)
         elif path.is_dir():
             for child in sorted(path.rglob("*")):
-                if child.is_file() and child.suffix.lower() in _MEDIA_SUFFIXES:
-                    yield str(child)
+                if child.is_file():
+                    yield Source(str(child), _not_media(child), named=False)
+        elif path.is_file():
+            yield Source(source, _not_media(path))
         else:
-            yield source
+            yield Source(source, "no such file")
 
 
-def job_for(source: str, prompt: str | None, max_tokens: int, inline_max: int) -> Job:
-    if source.startswith(("http://", "https://", "file://")):
-        ref = MediaRef(uri=source)
-    else:
-        path = Path(source).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"no such file: {source}")
-        ref = (
-            MediaRef(data=path.read_bytes())
-            if path.stat().st_size <= inline_max
-            else MediaRef(uri=path.as_uri())
-        )
+def _not_media(path: Path) -> str | None:
+    try:
+        with path.open("rb") as f:
+            head = f.read(SNIFF_BYTES)
+        sniff(head)
+    except UnsupportedMedia as exc:
+        return exc.message  # says what the bytes are instead
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    return None
+
+
+def unreadable_by_worker(source: str, inline_max: int, roots: tuple[Path, ...]) -> str | None:
+    """Why a worker would refuse this file (`forbidden_uri`), with the fix; None when it is fine.
+    Files up to `inline_max` travel inside the job; larger ones as file:// URIs, which a worker
+    reads only under its `preprocess.allowed_roots`."""
+    if source.startswith(_URL_PREFIXES):
+        return None
+    path = Path(source).resolve()
+    size = path.stat().st_size
+    resolved = [root.resolve() for root in roots]
+    if size <= inline_max or any(path.is_relative_to(root) for root in resolved):
+        return None
+    shown = json.dumps([str(r) for r in resolved]) if resolved else "empty"
+    return (
+        f"{size} bytes is over --inline-max-bytes ({inline_max}), so it would go as a file:// "
+        f"URI, which a worker reads only under preprocess.allowed_roots ({shown}): raise "
+        "--inline-max-bytes, or give the worker and this command "
+        f"--set 'preprocess.allowed_roots={json.dumps([str(path.parent)])}'"
+    )
+
+
+def media_ref(source: str, inline_max: int) -> MediaRef:
+    if source.startswith(_URL_PREFIXES):
+        return MediaRef(uri=source)
+    path = Path(source).resolve()
+    if path.stat().st_size <= inline_max:
+        return MediaRef(data=path.read_bytes())
+    return MediaRef(uri=path.as_uri())
+
+
+def job_for(source: str, ref: MediaRef, args: argparse.Namespace) -> Job:
+    generation = GenerationParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     return Job(
         job_id=str(uuid.uuid4()),
-        prompt=prompt,
+        prompt=args.prompt,
         media=[ref],
-        generation=GenerationParams(max_tokens=max_tokens),
+        generation=generation,
+        metadata={"source": source},
     )
 
 
-def submit(args: argparse.Namespace) -> int:
-    sources = list(expand_sources(args.sources)) * args.repeat
-    if not sources:
+def check_sampling(args: argparse.Namespace) -> None:
+    """The sampling flags, checked before the brokers are reached or a file is read."""
+    try:
+        GenerationParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            seed=args.seed,
+        )  # fmt: skip
+    except ValidationError as exc:
+        bad = "; ".join(
+            f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid sampling option: {bad}") from None
+
+
+def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
+    """0: every source sent (non-media files met in directories are reported, not failures);
+    1: a named source, or a file a worker would refuse, was not sent (each said why); 130:
+    interrupted."""
+    topic = args.topic or cfg.kafka.input_topic
+    failed = 0
+    sendable: list[str] = []
+    for source in expand_sources(args.sources):
+        why = source.skip
+        if why is None:
+            try:
+                why = unreadable_by_worker(
+                    source.name, args.inline_max_bytes, cfg.preprocess.allowed_roots
+                )
+            except OSError as exc:
+                why = f"cannot read it: {exc.strerror or exc}"
+            failed += why is not None
+        else:
+            failed += source.named
+        if why is None:
+            sendable.append(source.name)
+        else:
+            print(f"skipped {source.name}: {why}", file=sys.stderr)
+    if not sendable:
         print("mmworker submit: nothing to submit", file=sys.stderr)
-        return 2
+        return 1
+    sendable *= args.repeat
     producer = KafkaProducer(
-        bootstrap_servers=args.bootstrap_servers.split(","),
         acks="all",
         linger_ms=20,
-        max_request_size=8 * 1024 * 1024,
+        max_request_size=cfg.kafka.max_request_size,
+        max_block_ms=cfg.kafka.max_block_ms,
+        **cfg.kafka.client_kwargs(),
     )
-    failed = 0
-    with tqdm(total=len(sources), unit="job", desc="submitting", file=sys.stderr) as bar:
-        for source in sources:
-            try:
-                job = job_for(source, args.prompt, args.max_tokens, args.inline_max_bytes)
-            except (OSError, ValueError) as exc:
-                tqdm.write(f"skipped {source}: {exc}", file=sys.stderr)
-                failed += 1
-                bar.update()
-                continue
-            value = job.model_dump_json(exclude_defaults=True).encode()
-            producer.send(args.topic, key=job.job_id.encode(), value=value).add_callback(
-                lambda _meta: bar.update()
-            )
-            print(f"{job.job_id}\t{source}")
-        producer.flush()
-    producer.close()
+    sent = 0
+    refusals: list[str] = []
+    with tqdm(total=len(sendable), unit="job", desc="submitting", file=sys.stderr) as bar:
+
+        def refused(source: str, exc: BaseException) -> None:
+            refusals.append(source)
+            tqdm.write(f"refused {source}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            bar.update()
+
+        try:
+            for name in sendable:
+                try:
+                    ref = media_ref(name, args.inline_max_bytes)
+                except OSError as exc:  # gone or unreadable since it was looked at
+                    tqdm.write(f"skipped {name}: {exc.strerror or exc}", file=sys.stderr)
+                    failed += 1
+                    bar.update()
+                    continue
+                job = job_for(name, ref, args)
+                value = job.model_dump_json(exclude_defaults=True).encode()
+                future = producer.send(topic, key=job.job_id.encode(), value=value)
+                future.add_callback(lambda _meta: bar.update())
+                future.add_errback(lambda exc, src=name: refused(src, exc))
+                print(f"{job.job_id}\t{name}", flush=True)
+                sent += 1
+            producer.flush()
+        except Interrupted as exc:
+            tqdm.write(f"mmworker submit: {exc}: stopped after {sent} jobs", file=sys.stderr)
+            return ExitCode.INTERRUPTED
+        except KafkaError as exc:
+            raise ConfigError(
+                f"cannot post to topic {topic!r} ({type(exc).__name__}: {exc}): create it (the "
+                "worker does with --create-topics N), or name another with --topic"
+            ) from exc
+        finally:
+            producer.close(timeout=5)
+    failed += len(refusals)
+    more = f"; {failed} not sent (see above)" if failed else ""
+    print(f"sent {sent - len(refusals)} jobs to {topic}{more}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def tail(args: argparse.Namespace) -> int:
+def tail(args: argparse.Namespace, cfg: WorkerConfig) -> int:
+    """Print what arrives; stops after `--timeout` idle, or at Ctrl-C with `--follow`."""
+    topics = args.topics or [cfg.kafka.output_topic, cfg.kafka.dead_letter_topic]
     consumer = KafkaConsumer(
-        *args.topics,
-        bootstrap_servers=args.bootstrap_servers.split(","),
-        auto_offset_reset="earliest",
+        *topics,
+        auto_offset_reset="latest" if args.from_now else "earliest",
         enable_auto_commit=False,
         group_id=None,
-        consumer_timeout_ms=None if args.follow else int(args.timeout * 1000),
+        # kafka-python compares this with elapsed time: "forever" is infinity, not None.
+        consumer_timeout_ms=float("inf") if args.follow else int(args.timeout * 1000),
+        fetch_max_bytes=cfg.kafka.fetch_max_bytes,
+        max_partition_fetch_bytes=cfg.kafka.max_partition_fetch_bytes,
+        **cfg.kafka.client_kwargs(),
     )
     seen = 0
     started = time.monotonic()
     try:
+        missing = sorted(set(topics) - set(consumer.topics()))
+        if missing:
+            print(
+                f"mmworker tail: no topic {', '.join(missing)} on the brokers yet (a worker "
+                "creates its topics with --create-topics N)",
+                file=sys.stderr,
+            )
         for record in consumer:
             seen += 1
-            doc = json.loads(record.value)
-            line = json.dumps(doc) if args.json else summarise(record.topic, doc, record.key)
-            print(line, flush=True)
-    except KeyboardInterrupt:
-        pass
+            print(_line(record, args.json), flush=True)
+    except Interrupted:
+        pass  # Ctrl-C is how --follow ends
     finally:
         consumer.close()
     print(f"{seen} records in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
 
 
+def _line(record: Any, raw: bool) -> str:
+    try:
+        doc = json.loads(record.value)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"[{record.topic}] not JSON: {record.value[:80]!r}"
+    if raw:
+        return json.dumps(doc)
+    if not isinstance(doc, dict):
+        return f"[{record.topic}] {json.dumps(doc)[:120]}"
+    return summarise(record.topic, doc, record.key)
+
+
 def summarise(topic: str, doc: dict[str, object], key: bytes | None = None) -> str:
-    """One line per record; a failure without a job_id is named by its record key."""
+    """One line per record, named by the source `submit` recorded in the job's metadata where
+    there is one; a failure without a job_id is named by its record key."""
+    job = doc.get("job_id") or (key.decode(errors="replace") if key else "?")
+    meta = doc.get("metadata")
+    source = meta.get("source") if isinstance(meta, dict) else None
+    name = f"{source} (job {job})" if source else str(job)
     if "code" in doc:
-        name = doc.get("job_id") or (key.decode(errors="replace") if key else "?")
         return f"[{topic}] FAILED {name}: {doc['code']}: {doc.get('message')}"
     media = doc.get("media")
     items = media if isinstance(media, list) else []
@@ -122,4 +273,4 @@ def summarise(topic: str, doc: dict[str, object], key: bytes | None = None) -> s
     hit = " (cache hit)" if doc.get("cache_hit") else ""
     text = str(doc.get("text"))
     shown = repr(text[:60] + ("…" if len(text) > 60 else ""))
-    return f"[{topic}] {doc.get('job_id')} [{kinds}]{hit}: {shown}"
+    return f"[{topic}] {name} [{kinds}]{hit}: {shown}"

@@ -37,13 +37,17 @@ def test_submit_a_directory_then_tail_it_back(broker: EmbeddedBroker, tmp_path: 
     (media / "a.jpg").write_bytes(sample_image(seed=1))
     (media / "nested" / "b.png").write_bytes(sample_image(seed=2, fmt="PNG"))
     (media / "clip.mp4").write_bytes(sample_video(seconds=1))
-    (media / "notes.txt").write_text("not media: skipped by suffix")
+    (media / "notes.txt").write_text("not media: skipped by content")
+    (media / "photo.bin").write_bytes(sample_image(seed=3, width=64, height=48))  # no suffix
 
+    roots = json.dumps([str(media)])
     sent = _cli("submit", str(media), "--bootstrap-servers", broker.bootstrap, "--topic", topic,
-                "--prompt", "What is this?", "--inline-max-bytes", "20000")  # fmt: skip
+                "--prompt", "What is this?", "--inline-max-bytes", "20000",
+                "--set", f"preprocess.allowed_roots={roots}")  # fmt: skip
     assert sent.returncode == 0, sent.stderr
+    assert f"skipped {media / 'notes.txt'}: media is text" in sent.stderr
     lines = [ln.split("\t") for ln in sent.stdout.splitlines()]
-    assert sorted(Path(src).name for _, src in lines) == ["a.jpg", "b.png", "clip.mp4"]
+    assert sorted(Path(src).name for _, src in lines) == ["a.jpg", "b.png", "clip.mp4", "photo.bin"]
 
     read = _cli("tail", "--bootstrap-servers", broker.bootstrap, "--topics", topic, "--json",
                 "--timeout", "5")  # fmt: skip
@@ -51,6 +55,7 @@ def test_submit_a_directory_then_tail_it_back(broker: EmbeddedBroker, tmp_path: 
     jobs = [Job.model_validate(json.loads(ln)) for ln in read.stdout.splitlines()]
     assert {j.job_id for j in jobs} == {job_id for job_id, _ in lines}
     assert all(j.prompt == "What is this?" for j in jobs)
+    assert {str(j.metadata["source"]) for j in jobs} == {src for _, src in lines}
     by_name = {Path(src).name: job_id for job_id, src in lines}
     refs = {j.job_id: j.media[0] for j in jobs}
     # The small clip goes inline; the larger images exceed --inline-max-bytes: file:// URIs.
@@ -61,4 +66,6 @@ def test_submit_a_directory_then_tail_it_back(broker: EmbeddedBroker, tmp_path: 
 def test_submit_reports_missing_files(broker: EmbeddedBroker, tmp_path: Path) -> None:
     out = _cli("submit", str(tmp_path / "nope.jpg"), "--bootstrap-servers", broker.bootstrap)
     assert out.returncode == 1
-    assert "no such file" in out.stderr
+    assert out.stderr == (
+        f"skipped {tmp_path / 'nope.jpg'}: no such file\nmmworker submit: nothing to submit\n"
+    )

@@ -120,3 +120,46 @@ def test_invalid_setting_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]
 
     assert main(["config", "--set", "limits.max_in_flight=0"]) == 2
     assert "invalid configuration" in capsys.readouterr().err
+
+
+def test_log_level_in_any_case() -> None:
+    assert load_config(log_level="warning").log_level == "WARNING"
+    with pytest.raises(ValidationError, match="Input should be 'DEBUG'"):
+        load_config(log_level="loud")
+
+
+def test_bad_toml_is_a_config_error_naming_the_file(tmp_path: Path) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text("[engine]\nmodel = \n")
+    with pytest.raises(ConfigError) as err:
+        load_config(toml)
+    assert err.value.message == (
+        f"config file {toml} is not valid TOML: Invalid value (at line 2, column 9): fix the file"
+    )
+
+
+def test_environment_lists_and_tables_must_be_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMWORKER_KAFKA__REPLY_TOPICS", "captions, search")
+    with pytest.raises(ConfigError) as err:
+        load_config()
+    assert err.value.message == (
+        "MMWORKER_KAFKA__REPLY_TOPICS='captions, search' is not JSON; lists and tables in the "
+        "environment are written as JSON, e.g. "
+        'MMWORKER_KAFKA__REPLY_TOPICS=\'["captions", "search"]\''
+    )
+    monkeypatch.setenv("MMWORKER_KAFKA__REPLY_TOPICS", '["captions"]')
+    monkeypatch.setenv("MMWORKER_ENGINE__LIMIT_MM_PER_PROMPT", "image=2")
+    with pytest.raises(ConfigError, match=r"e\.g\. MMWORKER_ENGINE__LIMIT_MM_PER_PROMPT="):
+        load_config()
+    monkeypatch.delenv("MMWORKER_ENGINE__LIMIT_MM_PER_PROMPT")
+    assert load_config().kafka.reply_topics == ("captions",)
+
+
+def test_incomplete_sasl_names_the_missing_variables() -> None:
+    with pytest.raises(ValidationError) as err:
+        load_config(kafka={"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN"})
+    assert (
+        "SASL needs kafka.sasl_username (MMWORKER_KAFKA__SASL_USERNAME), kafka.sasl_password "
+        "(MMWORKER_KAFKA__SASL_PASSWORD) with security_protocol SASL_SSL: set them in the "
+        "environment or the config file"
+    ) in str(err.value)

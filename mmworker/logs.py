@@ -1,0 +1,185 @@
+"""One logging policy for the worker and the libraries it carries: ours readable, theirs quiet.
+
+vLLM, transformers, torch and kafka-python each log on their own terms (levels, streams, formats),
+and vLLM's engine core is a process of its own that configures logging from the environment. Left
+alone, a worker start printed ~95 lines of which 2-3 were the worker's, and `log_level = "WARNING"`
+hid the worker's ready line but not vLLM's INFO. So `log_level` decides for everyone:
+
+- DEBUG: every library at DEBUG, Python and torch C++ warnings shown: what a bug report needs.
+- INFO (the default): the worker at INFO; vLLM and kafka-python at WARNING, minus the warnings
+  that every start of this worker produces by its own choices (`KNOWN_NOISE`: eager mode and no
+  chunked prefill on CPU, a float32 test model cast to bfloat16, ...); transformers at ERROR (its
+  warnings are about its own processors' defaults, and the worker prepares pixels itself); Python
+  FutureWarning/DeprecationWarning and torch's C++ warnings off.
+- WARNING / ERROR: the libraries at that level too.
+
+The policy travels to vLLM's processes as environment variables, which they read when they start:
+`VLLM_LOGGING_CONFIG_PATH` (a dictConfig file: our format, stderr, `KNOWN_NOISE` dropped),
+`TRANSFORMERS_VERBOSITY`, `TORCH_CPP_LOG_LEVEL` and `PYTHONWARNINGS`. A variable a person has set
+already is left alone: an explicit choice wins over the policy.
+
+This module is imported inside vLLM's engine core too (the dictConfig names `KnownNoise`), so it
+imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+#: Start of the format string of warnings every start of this worker produces by its own choices.
+#: Shown again at log_level DEBUG. A message missing here costs one line, never a lost error.
+KNOWN_NOISE: tuple[str, ...] = (
+    # vLLM on CPU: no Triton, eager mode and no chunked prefill are what the worker asks for there.
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed. triton-cpu is expected",
+    "Model Runner V2 requires Triton",
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "This model does not officially support disabling chunked prefill",
+    "Reset SSM cache type",
+    "%s is not found in LD_PRELOAD",
+    "CPU backend doesn't allow to use `torch.set_num_threads`",
+    # The engine's seed is ours (engine.seed); the engine core runs in its own process anyway.
+    "The global random seed is set to",
+    # A float32 checkpoint (the tiny test model) loaded into bfloat16 parameters: one per weight.
+    "Attempted to load weight %s with dtype %s into",
+    # kafka-python 3: its I/O thread names every callback that took >100 ms, e.g. a CRC check on a
+    # busy 2-core host; it says nothing a worker operator can act on.
+    "Task <kafka.net.selector.Task object at ",
+)
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+#: Python warnings off in the processes the worker starts (PYTHONWARNINGS), unless DEBUG.
+_IGNORED_WARNINGS = (
+    "ignore::FutureWarning",
+    "ignore::DeprecationWarning",
+    # vLLM's engine core holds one named semaphore (the uniprocess executor's worker lock). When
+    # vLLM's shutdown has to SIGKILL the engine core (it did not exit within vLLM's 5 s grace, as
+    # on a busy host) or the engine died, nobody unregisters it, and multiprocessing's resource
+    # tracker, which the whole worker shares, unlinks it at the end, as it is there to do, and
+    # says "There appear to be 1 leaked semaphore objects" after an otherwise clean exit. Nothing
+    # is left behind; only the message goes.
+    "ignore:resource_tracker:UserWarning",
+)
+
+#: Environment values this process set, so a later call (the level became known) may change them
+#: but a value a person set is never touched.
+_SET_BY_US: dict[str, str] = {}
+
+
+class KnownNoise(logging.Filter):
+    """Drops `KNOWN_NOISE` records; compares the unformatted message, so nothing is rendered."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        return not msg.startswith(KNOWN_NOISE)
+
+
+class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The root handler this module installed (and may reconfigure)."""
+
+
+def library_level(level: str) -> str:
+    """The level of vLLM and kafka-python for the worker's `level`."""
+    return "DEBUG" if level == "DEBUG" else max(level, "WARNING", key=_LEVELS.index)
+
+
+def setup(level: str = "INFO", tag: str | None = None) -> None:
+    """This process's logging: a stderr handler with our format on the root logger (unless one is
+    there already, e.g. pytest's), `KNOWN_NOISE` dropped unless DEBUG, kafka-python's level."""
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(_OurHandler(sys.stderr))
+    name = f"[{tag}] %(name)s" if tag else "%(name)s"
+    for handler in root.handlers:
+        if isinstance(handler, _OurHandler):
+            handler.setFormatter(logging.Formatter(FORMAT.replace("%(name)s", name)))
+    root.setLevel(level)
+    _library_loggers(level)
+
+
+def _library_loggers(level: str) -> None:
+    """This process's share of the policy: library logger levels, `KNOWN_NOISE` off the root
+    handlers (whoever installed them), FutureWarnings."""
+    for handler in logging.getLogger().handlers:
+        for old in [f for f in handler.filters if isinstance(f, KnownNoise)]:
+            handler.removeFilter(old)
+        if level != "DEBUG":
+            handler.addFilter(KnownNoise())
+    logging.getLogger("kafka").setLevel(library_level(level))
+    logging.getLogger("vllm").setLevel(library_level(level))
+    if level != "DEBUG":
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def quiet_libraries(level: str) -> None:
+    """Carry the policy to the processes vLLM (and the preprocessing pool) will start, through
+    the environment they inherit. Must run before vLLM is imported and its engine built."""
+    _library_loggers(level)
+    lib = library_level(level)
+    env = {
+        "VLLM_LOGGING_LEVEL": lib,
+        "TRANSFORMERS_VERBOSITY": "debug" if level == "DEBUG" else "error",
+        "VLLM_LOGGING_CONFIG_PATH": "",  # below, only when it is ours to write
+    }
+    if level != "DEBUG":
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        env["PYTHONWARNINGS"] = ",".join(_IGNORED_WARNINGS)
+    for key, value in env.items():
+        if key in os.environ and _SET_BY_US.get(key) != os.environ[key]:
+            continue  # a person's choice
+        chosen = value
+        if key == "VLLM_LOGGING_CONFIG_PATH":
+            chosen = str(vllm_logging_config(lib, drop_noise=level != "DEBUG"))
+        os.environ[key] = _SET_BY_US[key] = chosen
+    for key in set(_SET_BY_US) - set(env):  # DEBUG after INFO: warnings back on
+        if os.environ.get(key) == _SET_BY_US.pop(key):
+            del os.environ[key]
+
+
+def vllm_logging_config(level: str, drop_noise: bool) -> Path:
+    """Write (once per content) the dictConfig vLLM applies in each of its processes."""
+    handler: dict[str, object] = {
+        "class": "logging.StreamHandler",
+        "stream": "ext://sys.stderr",
+        "formatter": "mmworker",
+        "level": level,
+    }
+    config: dict[str, object] = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"mmworker": {"format": FORMAT}},
+        "handlers": {"mmworker": handler},
+        "loggers": {"vllm": {"handlers": ["mmworker"], "level": level, "propagate": False}},
+    }
+    if drop_noise:
+        config["filters"] = {"noise": {"()": f"{__name__}.KnownNoise"}}
+        handler["filters"] = ["noise"]
+    text = json.dumps(config, indent=1, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    # The file can run code (dictConfig's "()"), so it lives in a directory of this user, never
+    # under a predictable name in a shared /tmp.
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mmworker"
+    path = home / f"vllm-logging-{digest}.json"
+    try:
+        if not path.is_file() or path.read_text() != text:
+            home.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+    except OSError:  # read-only home: a private temporary file (O_EXCL, mode 0600) instead
+        fd, name = tempfile.mkstemp(prefix="mmworker-vllm-logging-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        path = Path(name)
+    return path
