@@ -26,10 +26,11 @@ from mmworker.errors import (
     WorkerError,
 )
 from mmworker.gate import EngineGate
-from mmworker.media import MediaStage, PreparedMedia
+from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
 from mmworker.records import Context, build_failure, build_result, visual_tokens
 from preprocess.errors import PreprocessError
+from preprocess.tokens import fair_shares
 from schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
 from schemas.codes import ErrorCode
 
@@ -155,8 +156,9 @@ class JobRunner:
                 f"reply_topic {job.reply_topic!r} is not one of kafka.reply_topics "
                 f"{list(self._cfg.kafka.reply_topics)}"
             )
-        media = await self._media.prepare(job)
+        media = await self._media.prepare(job, self._budgets(job))
         self._observe_media(media)
+        media = await self._share_context(job, media)
         kinds = tuple(m.kind for m in media)
         instruction = job.instruction(list(kinds))
         self._check_budget(job, media, instruction, kinds)
@@ -189,15 +191,82 @@ class JobRunner:
             self._metrics.stage_seconds.labels("fetch").observe(m.fetch_s)
             self._metrics.stage_seconds.labels("preprocess").observe(m.preprocess_s)
 
+    def _budgets(self, job: Job) -> list[TokenBudget]:
+        """The visual tokens each item may take, fixed before anything is fetched, so a video
+        that needs fitting is decoded once, at the fitted plan (see the fitting rule in
+        preprocess.video `_fit`).
+
+        Each item may take what the context leaves after the prompt's text and `max_tokens`,
+        up to `engine.max_visual_tokens_per_item`. The text depends on the kinds, which are
+        sniffed later: for one item it is counted for each kind, exactly; for several, for the
+        cheapest mix containing the item's kind, so this pass never fits an item that the job's
+        exact count would let through. Splitting the context among several items is
+        `_share_context`'s, once their needs are known.
+        """
+        cfg = self._cfg.engine
+        per_item = cfg.max_visual_tokens_per_item
+        if cfg.max_model_len is None:
+            return [TokenBudget(per_item, per_item)] * len(job.media)
+        n = len(job.media)
+        left: dict[str, int | None] = {}
+        for kind in ("image", "video"):
+            mixes = [(kind,) * n] + ([("image",) + ("video",) * (n - 1)] if n > 1 else [])
+            text = min(self._engine.prompt_tokens(job.instruction(list(m)), m) for m in mixes)
+            room = cfg.max_model_len - text - job.generation.max_tokens
+            # No room at all: nothing to fit to; the final check refuses it with the numbers.
+            left[kind] = min(per_item, room) if room > 0 else None
+        return [TokenBudget(left["image"], left["video"])] * n
+
+    async def _share_context(self, job: Job, media: list[PreparedMedia]) -> list[PreparedMedia]:
+        """Fit a job whose items each fit but together overflow the context: max-min fair shares.
+
+        Items needing no more than an equal share of what is left keep what they have; the
+        others share the rest equally and are prepared again at that share (fetched again: the
+        bytes are not kept; only jobs with several items that overflow pay it). See
+        `preprocess.tokens.fair_shares`.
+        """
+        cfg = self._cfg.engine
+        if cfg.max_model_len is None or len(media) < 2:
+            return media  # one item was fitted to the exact room already
+        kinds = tuple(m.kind for m in media)
+        self._check_counts(kinds)
+        text = self._engine.prompt_tokens(job.instruction(list(kinds)), kinds)
+        capacity = cfg.max_model_len - text - job.generation.max_tokens
+        needs = [visual_tokens(m) for m in media]
+        shares = fair_shares(needs, capacity)
+        over = [
+            i for i, (need, share) in enumerate(zip(needs, shares, strict=True)) if need > share
+        ]
+        if not over or capacity <= 0:
+            return media
+        log.info(
+            "job %s: %d visual tokens for %d left of the context; fitting item(s) %s to %s",
+            job.job_id, sum(needs), capacity, over, [shares[i] for i in over],
+        )  # fmt: skip
+        subset = job.model_copy(update={"media": [job.media[i] for i in over]})
+        refit = await self._media.prepare(subset, [TokenBudget(shares[i], shares[i]) for i in over])
+        self._observe_media(refit)
+        fitted = list(media)
+        for i, item in zip(over, refit, strict=True):
+            fitted[i] = item
+        return fitted
+
+    def _check_counts(self, kinds: tuple[str, ...]) -> None:
+        for kind, count in Counter(kinds).items():
+            limit = self._cfg.engine.limit_mm_per_prompt.get(kind, 0)
+            if count > limit:
+                raise TooManyMedia(f"{count} {kind} items; this worker takes at most {limit}")
+
     def _check_budget(
         self, job: Job, media: list[PreparedMedia], instruction: str, kinds: tuple[str, ...]
     ) -> None:
-        """Refuse what the engine would fail on, before it is submitted (vLLM #34040)."""
+        """Refuse what the engine would fail on, before it is submitted (vLLM #34040).
+
+        After fitting this holds unless fitting could not help: no room left after the text
+        and `max_tokens`, or an item whose decoded frames were larger than announced.
+        """
         engine_cfg = self._cfg.engine
-        for kind, count in Counter(kinds).items():
-            limit = engine_cfg.limit_mm_per_prompt.get(kind, 0)
-            if count > limit:
-                raise TooManyMedia(f"{count} {kind} items; this worker takes at most {limit}")
+        self._check_counts(kinds)
         per_item = [visual_tokens(m) for m in media]
         worst = max(per_item, default=0)
         if worst > engine_cfg.max_visual_tokens_per_item:

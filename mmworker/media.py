@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -50,6 +51,15 @@ class PreparedMedia:
         return "image" if isinstance(self.prepared, PreparedImage) else "video"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """Visual tokens one item may take, by the kind it turns out to be (sniffed, not declared):
+    what the prompt's text leaves of the context depends on the kinds. None: no limit."""
+
+    image: int | None = None
+    video: int | None = None
+
+
 @dataclass(slots=True)
 class _SharedDecode:
     future: asyncio.Future[PreparedImage | PreparedVideo]
@@ -84,7 +94,10 @@ class MediaStage:
         self._cpu_pool = cpu_pool
         self._io_pool = io_pool
 
-    async def prepare(self, job: Job) -> list[PreparedMedia]:
+    async def prepare(
+        self, job: Job, budgets: Sequence[TokenBudget] | None = None
+    ) -> list[PreparedMedia]:
+        """`budgets[i]`, when given, is what `job.media[i]` is fitted to (see JobRunner)."""
         image = self._cfg.image_params(job.image.min_pixels, job.image.max_pixels)
         video = self._cfg.video_params(
             job.video.strategy,
@@ -93,7 +106,13 @@ class MediaStage:
             job.video.max_frames,
             job.video.max_pixels,
         )
-        items = [asyncio.ensure_future(self._one(ref, image, video)) for ref in job.media]
+        budgets = budgets or [TokenBudget()] * len(job.media)
+        items = [
+            asyncio.ensure_future(
+                self._one(ref, image.with_budget(b.image), video.with_budget(b.video))
+            )
+            for ref, b in zip(job.media, budgets, strict=True)
+        ]
         try:
             return list(await asyncio.gather(*items))
         finally:

@@ -41,6 +41,7 @@ def media_facts(media: PreparedMedia) -> MediaFacts:
         duration_s=p.full_duration_s if p.partial and p.full_duration_s else p.duration_s,
         partial=p.partial,
         decoded_duration_s=p.duration_s if p.partial else None,
+        sample_fps=round(p.sample_fps, 4),
         **common,
     )
 

@@ -26,9 +26,9 @@ import numpy.typing as npt
 import pillow_heif
 from PIL import Image, UnidentifiedImageError
 
-from preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
-from preprocess.params import IMAGE_FACTOR, ImageParams, PreparedImage
-from preprocess.resize import settle, smart_resize
+from preprocess.errors import BadAspectRatio, TooLarge, TooManyVisualTokens, UndecodableImage
+from preprocess.params import ImageParams, PreparedImage
+from preprocess.tokens import fit_pixels, image_tokens, resized
 
 #: Pillow may open only these; other plugins (EPS runs Ghostscript, for one) are never reached.
 #: JPEG covers MPO too. AVIF is tried before HEIF: both accept the generic `mif1` brand, and a
@@ -115,17 +115,32 @@ def _target_size(size: tuple[int, int], params: ImageParams) -> tuple[int, int]:
             f"image is {width}x{height} = {width * height} pixels; "
             f"the limit is {params.max_source_pixels}"
         )
-    target_h, target_w = settle(
-        *smart_resize(
+
+    def fitted(max_pixels: int) -> tuple[int, int]:
+        return resized(
             height,
             width,
-            factor=IMAGE_FACTOR,
             min_pixels=params.min_pixels,
-            max_pixels=params.max_pixels,
+            max_pixels=max_pixels,
             max_ratio=params.max_ratio,
-        ),
-        video=False,
-    )
+            video=False,
+        )
+
+    target_h, target_w = fitted(params.max_pixels)
+    budget = params.budget
+    if budget is not None and image_tokens(target_h, target_w) > budget:
+        # Fitted to its share of the job's context: smaller, down to `min_pixels`.
+        cap = fit_pixels(
+            height, width, tokens=budget, start=params.max_pixels, floor=params.min_pixels,
+            min_pixels=params.min_pixels, max_ratio=params.max_ratio, video=False,
+        )  # fmt: skip
+        if cap is None:
+            raise TooManyVisualTokens(
+                f"image {width}x{height} does not fit its budget of {budget} visual tokens: at "
+                f"the smallest size ({params.min_pixels} pixels) it needs "
+                f"{image_tokens(*fitted(params.min_pixels))}"
+            )
+        target_h, target_w = fitted(cap)
     # Rounding a short side down to 28 can push a source just under the ratio limit over it
     # (8191x41 → 8204x28, ratio 293). The engine's processor re-checks the ratio on what we send
     # and would fail the whole request, so it is refused here as a property of the image.

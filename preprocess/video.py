@@ -36,6 +36,13 @@ the result says `partial` when it falls short, and only when less than
 mp4 whose index was at the end has nothing to decode and is refused; a cut MPEG-TS or Ogg
 declares no duration beyond its data and cannot be told from a short one.
 
+A video whose plan needs more visual tokens than `VideoParams.max_tokens` (what its job's
+context leaves it) is fitted rather than refused, before any frame is decoded: the frames shrink
+first, down to Qwen's video floor (`min_pixels`, with qwen-vl-utils' 5 % margin), and only then
+does the strategy plan again with fewer frames (even counts, still spread over the whole video),
+which get the largest size that fits. It is refused (`TooManyVisualTokens`) only when two frames
+at the floor need more. The sampling rate reported (`sample_fps`) is the fitted plan's.
+
 Other errors are typed: no video stream → `UnsupportedMedia` (an audio file is a real, decodable
 media file, just not a kind this worker captions); data no frame decodes from →
 `UndecodableVideo`; a stream that yields no frame → `NoFrames`; frames above
@@ -53,7 +60,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -68,9 +75,21 @@ from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
 from PIL import Image
 
-from preprocess.errors import NoFrames, TooLarge, UndecodableVideo, UnsupportedMedia
-from preprocess.params import FRAME_FACTOR, IMAGE_FACTOR, PreparedVideo, VideoParams
-from preprocess.resize import settle, smart_resize
+from preprocess.errors import (
+    NoFrames,
+    TooLarge,
+    TooManyVisualTokens,
+    UndecodableVideo,
+    UnsupportedMedia,
+)
+from preprocess.params import (
+    FRAME_FACTOR,
+    PreparedVideo,
+    VideoParams,
+    frame_max_pixels,
+    video_pixel_floor,
+)
+from preprocess.tokens import fit_pixels, resized, video_tokens
 
 #: A stretch of unneeded packets at least this long is jumped with a container seek; shorter
 #: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek
@@ -161,6 +180,13 @@ class _Outcome:
 class _Plan:
     targets: list[int]  # presentation indices, one per output frame before padding
     sample_fps: float
+    #: Per-frame pixel cap (smart_resize's max_pixels) for the frames of this plan.
+    frame_pixels: int = 0
+
+    @property
+    def n_out(self) -> int:
+        """Frames handed to the model: the targets, padded to pair up."""
+        return len(self.targets) + len(self.targets) % FRAME_FACTOR
 
 
 @dataclass(slots=True)
@@ -181,7 +207,8 @@ def prepare_video(
     stats = stats if stats is not None else DecodeStats()
     with _open(data) as container:
         stream = _video_stream(container)
-        _check_source_size(stream.codec_context.width, stream.codec_context.height, params)
+        coded = (stream.codec_context.height, stream.codec_context.width)
+        _check_source_size(coded[1], coded[0], params)
         timeline = _scan(container, stream, stats)
     if not timeline.shown and timeline.demux_error is not None:
         raise UndecodableVideo(f"corrupt container: {timeline.demux_error}")
@@ -190,10 +217,12 @@ def prepare_video(
     plan = _plan(timeline, params)
     if not plan.targets:
         raise NoFrames("the video stream has no frames")
-    n_out = len(plan.targets) + len(plan.targets) % FRAME_FACTOR
+    plan = _fit(timeline, params, plan, coded)
     wanted = sorted(set(plan.targets))
     runs = _runs(timeline, wanted)
-    captured, original_size, outcome = _decode(data, timeline, params, n_out, stats, runs)
+    captured, original_size, outcome = _decode(
+        data, timeline, params, plan.frame_pixels, stats, runs
+    )
     frames: list[npt.NDArray[np.uint8]] = []
     timestamps: list[float] = []
     for target in plan.targets:
@@ -220,8 +249,17 @@ def prepare_video(
         frames.append(frames[-1])
         timestamps.append(timestamps[-1])
     assert original_size is not None
+    out = np.ascontiguousarray(np.stack(frames))
+    budget = params.budget
+    if budget is not None and video_tokens(*out.shape[:3]) > budget:
+        # Only when the decoded frames are not the size the stream's header announced.
+        raise TooManyVisualTokens(
+            f"video frames came out {out.shape[2]}x{out.shape[1]}, not the "
+            f"{coded[1]}x{coded[0]} the stream declares: {out.shape[0]} frames need "
+            f"{video_tokens(*out.shape[:3])} visual tokens; the budget is {budget}"
+        )
     return PreparedVideo(
-        frames=np.ascontiguousarray(np.stack(frames)),
+        frames=out,
         original_size=original_size,
         timestamps=tuple(timestamps),
         duration_s=decoded_s,
@@ -274,7 +312,7 @@ def _decode(
     data: bytes,
     timeline: _Timeline,
     params: VideoParams,
-    n_out: int,
+    frame_pixels: int,
     stats: DecodeStats,
     runs: Sequence[_Run],
 ) -> tuple[_Captured, tuple[int, int] | None, _Outcome]:
@@ -295,7 +333,7 @@ def _decode(
             stream=_video_stream(container),
             timeline=timeline,
             params=params,
-            n_out=n_out,
+            frame_pixels=frame_pixels,
             stats=stats,
             converter=converter,
             abort=abort,
@@ -486,6 +524,67 @@ def _ceil_even(n: float) -> int:
 
 
 def _plan(timeline: _Timeline, params: VideoParams) -> _Plan:
+    """Choose which shown frames to keep, per strategy, and the per-frame pixel cap they get."""
+    plan = _choose(timeline, params)
+    plan.frame_pixels = frame_max_pixels(params, plan.n_out)
+    return plan
+
+
+def _fit(timeline: _Timeline, params: VideoParams, plan: _Plan, coded: tuple[int, int]) -> _Plan:
+    """The plan, fitted to `params.budget` visual tokens: smaller frames first, then fewer.
+
+    Planned before any frame is decoded, from the size the stream's header declares; turning a
+    frame upright swaps its sides, which changes no count. Frames shrink down to the video
+    floor (`video_pixel_floor`); when even then the plan's frames need too many tokens, the
+    strategy plans again with at most as many frames as fit at the floor, so they still spread
+    over the whole video, and those frames get the largest size that fits. Refused only when
+    two frames at the floor are too many.
+    """
+    budget = params.budget
+    height, width = coded
+    if budget is None or height <= 0 or width <= 0:
+        return plan
+
+    def need(n_out: int, cap: int) -> int:
+        size = resized(
+            height,
+            width,
+            min_pixels=params.min_pixels,
+            max_pixels=cap,
+            max_ratio=params.max_ratio,
+            video=True,
+        )
+        return video_tokens(n_out, *size)
+
+    if need(plan.n_out, plan.frame_pixels) <= budget:
+        return plan
+    floor = video_pixel_floor(params)
+    per_pair = need(FRAME_FACTOR, floor)  # two frames at the floor
+    pairs = budget // per_pair
+    if pairs < 1:
+        raise TooManyVisualTokens(
+            f"video {width}x{height} does not fit its budget of {budget} visual tokens: even 2 "
+            f"frames at the smallest frame size ({floor} pixels per frame) need {per_pair}"
+        )
+    if pairs * FRAME_FACTOR < plan.n_out:
+        plan = _plan(timeline, replace(params, max_frames=pairs * FRAME_FACTOR))
+    pair_budget = budget // (plan.n_out // FRAME_FACTOR)
+    cap = fit_pixels(
+        height,
+        width,
+        tokens=pair_budget,
+        start=plan.frame_pixels,
+        floor=floor,
+        min_pixels=params.min_pixels,
+        max_ratio=params.max_ratio,
+        video=True,
+    )
+    assert cap is not None, "the floor fits: pairs was counted at it"
+    plan.frame_pixels = cap
+    return plan
+
+
+def _choose(timeline: _Timeline, params: VideoParams) -> _Plan:
     """Choose which shown frames to keep, per strategy; all choices are by presentation time."""
     total = len(timeline.shown)
     if total == 0:
@@ -573,7 +672,7 @@ class _Decoder:
         stream: VideoStream,
         timeline: _Timeline,
         params: VideoParams,
-        n_out: int,
+        frame_pixels: int,
         stats: DecodeStats,
         converter: ThreadPoolExecutor,
         abort: threading.Event,
@@ -582,7 +681,7 @@ class _Decoder:
         self.stream = stream
         self.timeline = timeline
         self.params = params
-        self.n_out = n_out
+        self.frame_pixels = frame_pixels
         self.stats = stats
         self.original_size: tuple[int, int] | None = None
         self.outcome = _Outcome()
@@ -632,7 +731,7 @@ class _Decoder:
             stream=_video_stream(container),
             timeline=self.timeline,
             params=self.params,
-            n_out=self.n_out,
+            frame_pixels=self.frame_pixels,
             stats=stats,
             converter=self._converter,
             abort=self._abort,
@@ -754,15 +853,12 @@ class _Decoder:
         upright = (frame.height, frame.width) if not swap else (frame.width, frame.height)
         if self._target is None:
             self.original_size = (upright[1], upright[0])
-            self._target = settle(
-                *smart_resize(
-                    upright[0],
-                    upright[1],
-                    factor=IMAGE_FACTOR,
-                    min_pixels=self.params.min_pixels,
-                    max_pixels=frame_max_pixels(self.params, self.n_out),
-                    max_ratio=self.params.max_ratio,
-                ),
+            self._target = resized(
+                upright[0],
+                upright[1],
+                min_pixels=self.params.min_pixels,
+                max_pixels=self.frame_pixels,
+                max_ratio=self.params.max_ratio,
                 video=True,
             )
             if self.on_size_fixed is not None:
@@ -782,12 +878,6 @@ def _to_pixels(
     for op in ops:
         image = image.transpose(op)
     return np.asarray(image, dtype=np.uint8)
-
-
-def frame_max_pixels(params: VideoParams, n_frames: int) -> int:
-    """Per-frame pixel cap: the total budget shared across frames (qwen-vl-utils fetch_video)."""
-    share = params.total_pixels / max(n_frames, 1) * FRAME_FACTOR
-    return max(int(min(params.max_pixels, share)), int(params.min_pixels * 1.05))
 
 
 class _RunMatcher:

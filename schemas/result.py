@@ -39,7 +39,9 @@ class MediaFacts(_Out):
     original_size: tuple[int, int] = Field(description="(width, height) as decoded")
     resized_size: tuple[int, int] = Field(description="(width, height) handed to the model")
     visual_tokens: int = Field(ge=0)
-    frames: int | None = Field(default=None, description="Frames used (video only)")
+    frames: int | None = Field(
+        default=None, description="Frames used (video only), after fitting to the context"
+    )
     frame_timestamps: list[float] | None = Field(
         default=None, description="Presentation time in seconds of each frame used"
     )
@@ -58,6 +60,13 @@ class MediaFacts(_Out):
     decoded_duration_s: float | None = Field(
         default=None,
         description="Seconds of the video that decoded, from its start; set when partial",
+    )
+    #: Added in 1.3.
+    sample_fps: float | None = Field(
+        default=None,
+        description="Rate the frames were sampled at (video only), frames per second, after "
+        "fitting to the context; 1 / sample_fps is the interval between them, and the model's "
+        "temporal positions follow it",
     )
     cache_hit: bool = Field(description="Prepared features came from the feature cache")
 

@@ -151,3 +151,21 @@ def test_a_failed_shared_decode_fails_every_waiter_with_the_same_typed_error(
     assert not stage._decoding
     cpu.shutdown()
     io.shutdown()
+
+
+def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Path) -> None:
+    from mmworker.media import TokenBudget
+    from preprocess.tokens import image_tokens
+
+    data = sample_image(1280, 960, seed=11)
+    stage, pool = _stage(tmp_path, ())
+    job = Job(job_id="b", media=[MediaRef(data=data)])
+    (free,) = asyncio.run(stage.prepare(job))
+    (roomy,) = asyncio.run(stage.prepare(job, [TokenBudget(image=16384, video=16384)]))
+    (fitted,) = asyncio.run(stage.prepare(job, [TokenBudget(image=300, video=None)]))
+    pool.shutdown(wait=True)
+    assert image_tokens(*free.prepared.pixels.shape[:2]) > 300
+    # A budget it fits changes nothing, not even the key (vLLM's caches are keyed by it).
+    assert roomy.key == free.key and roomy.cache_hit
+    assert fitted.key != free.key and not fitted.cache_hit
+    assert image_tokens(*fitted.prepared.pixels.shape[:2]) <= 300

@@ -75,6 +75,12 @@ CASES: dict[str, Case] = {
     "small-frame-budget": Case(
         lambda: mv.encode_video("libx264", n_frames=20, fps=10, width=320, height=240), SMALL
     ),
+    # Fitted to a token budget: 12 planned frames of 221 tokens a pair (1,326) become 8 frames
+    # of 140 (560), smaller and fewer, which the processors must still take as they are.
+    "fitted-to-budget": Case(
+        lambda: mv.encode_video("libx264", n_frames=60, fps=10, width=480, height=360),
+        VideoParams(max_tokens=600),
+    ),
 }
 
 
