@@ -199,9 +199,10 @@ class EngineConfig(_Section):
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0)")
     mm_processor_cache_gb: float | None = Field(
-        None,
+        0.5,
         ge=0,
-        description="vLLM's multimodal processor cache per process (GiB); unset: vLLM's default",
+        description="vLLM's cache of processed media, held in the engine core (GiB); vLLM's 4 "
+        "grew RSS ~0.35 GB per 1,000 jobs until full (bench/soak.py); null: vLLM's default",
     )
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
