@@ -402,7 +402,9 @@ def _decode_tail(
 
 def _open(data: bytes) -> InputContainer:
     try:
-        return av.open(io.BytesIO(data), mode="r")
+        # Tags are never used here, and PyAV's strict decoding raises UnicodeDecodeError (an
+        # untyped crash) on the Latin-1 titles of old RealMedia and AVI files.
+        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.error.FFmpegError as exc:
         raise UndecodableVideo(f"cannot open the container: {exc}") from None
 
