@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from mmworker import __version__, logs
 from mmworker.errors import ConfigError, WorkerError
-from mmworker.exits import ExitCode, Interrupted, stop_on_signals
+from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
 
 # Flags for the settings people change most; anything else goes through --set or the environment.
 _RUN_FLAGS: dict[str, tuple[str, type]] = {
@@ -317,17 +317,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mmworker.app import run_worker
 
         code = run_worker(cfg, create_topics=args.create_topics)
-    _exit_now(code)
+    exit_now(code)
     return code  # pragma: no cover - unreachable
-
-
-def _exit_now(code: int) -> None:
-    """Everything that matters is closed by now; a Kafka client thread still waiting on a broker
-    that never answered must not hold the exit (thread pools are joined at interpreter exit)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

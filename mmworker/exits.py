@@ -5,8 +5,10 @@ An orchestrator restarts on any non-zero code; the codes tell an operator what t
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 from enum import IntEnum
 from types import FrameType
 
@@ -53,3 +55,13 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's exit hooks, once everything that matters is closed: a
+    Kafka client thread still waiting on a broker that never answered, or a thread waiting for a
+    start signal that will never come, must not hold the exit (thread pools are joined then)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

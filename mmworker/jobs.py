@@ -7,7 +7,6 @@ reported as `internal_error` on the dead-letter topic so the partition keeps flo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -85,8 +84,7 @@ class JobRunner:
         if deaths:
             self._metrics.suspects.labels("isolated").inc()
             log.warning("%s was inside %d engine death(s): running it alone", ctx.source, deaths)
-            async with self._gate.alone():
-                return await self._run(raw, ctx, broker_ts_ms, isolated=True)
+            return await self._run(raw, ctx, broker_ts_ms, isolated=True)
         return await self._run(raw, ctx, broker_ts_ms, isolated=False)
 
     async def _run(
@@ -166,8 +164,9 @@ class JobRunner:
         request_id = (
             f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
         )
-        # A suspect already holds the engine alone; everyone else shares it.
-        async with contextlib.nullcontext() if isolated else self._gate.shared():
+        # A suspect waits for the engine to empty and holds it alone (only for its generation:
+        # its fetch, decode and retry pauses do not keep the engine idle); others share it.
+        async with self._gate.alone() if isolated else self._gate.shared():
             self._in_engine[request_id] = ctx.source
             try:
                 out = await self._engine.generate(request_id, instruction, items, job.generation)

@@ -12,13 +12,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
-from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
@@ -252,12 +252,28 @@ def commit_payload(offsets: dict[TopicPartition, int]) -> dict[KafkaTP, OffsetAn
     }
 
 
-class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Its callbacks run inside `poll()`, on the thread that calls it."""
+async def commit_in_rebalance(
+    consumer: Any, offsets: dict[TopicPartition, int], timeout_ms: int
+) -> None:
+    """A blocking commit from inside a rebalance callback.
+
+    kafka-python 3.0 runs rebalance listeners on its own network thread, where `commit()` refuses
+    to block (`RuntimeError: Cannot block on net.run() from the IO thread`). An async listener
+    may await the coroutine `commit()` itself runs there; it is private API of the pinned
+    kafka-python release (3.0.12), which is why it lives here, in one place.
+    """
+    await consumer._coordinator._commit_offsets_sync_async(
+        commit_payload(offsets), timeout_ms=timeout_ms
+    )
+
+
+class RebalanceListener(AsyncConsumerRebalanceListener):  # type: ignore[misc]
+    """Its callbacks run on kafka-python's network thread, inside `poll()`: they must not block
+    it (heartbeats), so the revoke callback is a coroutine that kafka-python awaits there."""
 
     def __init__(
         self,
-        on_revoked: Callable[[list[TopicPartition]], None],
+        on_revoked: Callable[[list[TopicPartition]], Awaitable[None]],
         on_lost: Callable[[list[TopicPartition]], None],
         on_assigned: Callable[[list[KafkaTP]], None] | None = None,
     ) -> None:
@@ -265,13 +281,13 @@ class RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         self._on_lost = on_lost
         self._on_assigned = on_assigned
 
-    def on_partitions_revoked(self, revoked: Any) -> None:
-        self._on_revoked([TopicPartition(tp.topic, tp.partition) for tp in revoked])
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        await self._on_revoked([TopicPartition(tp.topic, tp.partition) for tp in revoked])
 
-    def on_partitions_assigned(self, assigned: Any) -> None:
+    async def on_partitions_assigned(self, assigned: Any) -> None:
         log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
         if self._on_assigned is not None:
             self._on_assigned(list(assigned))  # kafka-python's own partitions: pause() takes them
 
-    def on_partitions_lost(self, lost: Any) -> None:
+    async def on_partitions_lost(self, lost: Any) -> None:
         self._on_lost([TopicPartition(tp.topic, tp.partition) for tp in lost])

@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -25,7 +26,7 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 
 from mmworker.config import WorkerConfig
-from mmworker.exits import ExitCode, Interrupted, stop_on_signals
+from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.lifeline import die_with_parent
 
@@ -98,11 +99,15 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
             children.append(child)
             if not _wait_ready(child, ready) or stopping:
                 log.error("worker process %d did not start (exit %s)", index, child.exitcode)
-                _terminate(children)
+                _terminate(children, go, cfg.limits.shutdown_grace_s + 60)
                 return combined_exit_code([c.exitcode for c in children]) or EXIT_START_FAILED
         log.info("%d worker processes ready: consuming", len(children))
         go.set()
-        return _supervise(children, lambda: stopping)
+        return _supervise(
+            children,
+            lambda: stopping,
+            lambda: _terminate(children, go, cfg.limits.shutdown_grace_s + 60),
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -115,7 +120,9 @@ def _wait_ready(child: BaseProcess, ready: Event) -> bool:
     return True
 
 
-def _supervise(children: list[BaseProcess], stopping: Callable[[], bool]) -> int:
+def _supervise(
+    children: list[BaseProcess], stopping: Callable[[], bool], terminate: Callable[[], None]
+) -> int:
     """Wait for every child; the first to exit on its own stops the rest."""
     brought_down = False
     while alive := [c for c in children if c.exitcode is None]:
@@ -124,17 +131,25 @@ def _supervise(children: list[BaseProcess], stopping: Callable[[], bool]) -> int
         if gone and not brought_down and not stopping():
             first = gone[0]
             log.error("%s exited (%s): stopping the other workers", first.name, first.exitcode)
-            _terminate(children)
+            terminate()
             brought_down = True
     return combined_exit_code([c.exitcode for c in children])
 
 
-def _terminate(children: list[BaseProcess]) -> None:
+def _terminate(children: list[BaseProcess], go: Event, wait_s: float) -> None:
+    """SIGTERM every child (they drain), then SIGKILL what is still there after `wait_s`.
+    `go` is set first: a child still waiting for it would otherwise never get past start-up."""
+    go.set()
     for child in children:
         if child.pid is not None and child.exitcode is None:
             os.kill(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
     for child in children:
-        child.join()
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.exitcode is None:
+            log.error("%s did not stop within %.0fs: killing it", child.name, wait_s)
+            child.kill()
+            child.join()
 
 
 def _as_exit_code(code: int | None) -> int:
@@ -161,4 +176,4 @@ def _child_main(cfg: WorkerConfig, ready: Event, go: Event) -> None:
         code = run_worker(cfg, ready=ready.set, go=go.wait)
     except Interrupted:
         code = ExitCode.OK
-    raise SystemExit(code)
+    exit_now(code)

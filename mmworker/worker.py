@@ -36,6 +36,7 @@ from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import (
     RebalanceListener,
+    commit_in_rebalance,
     commit_payload,
     ensure_suspects_topic,
     make_consumer,
@@ -110,6 +111,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
         self._paused = False
+        self._signals = 0
+        self._unchecked: list[Any] = []  # assigned, paused until suspects are read (see below)
         self.exit_code = ExitCode.OK
         metrics.in_flight.set_function(lambda: len(self._live))
 
@@ -159,6 +162,8 @@ class Worker:
             for records in batches.values():
                 for record in records:
                     self._start(record)
+            if self._unchecked:
+                await self._check_suspects()
             if time.monotonic() >= next_commit:
                 await self._commit()
                 next_commit = time.monotonic() + k.commit_interval_s
@@ -169,21 +174,28 @@ class Worker:
         self.tracker.track(tp, record.offset)
         task = asyncio.create_task(self._handle(tp, record))
         self._live[key] = task
-        task.add_done_callback(lambda _t: self._live.pop(key, None))
+        task.add_done_callback(lambda t: self._forget_task(key, t))
+
+    def _forget_task(self, key: _Key, task: asyncio.Task[None]) -> None:
+        # A partition lost and assigned back in one poll restarts its offsets under the same
+        # keys while the cancelled tasks are still ending: only remove the task that ended.
+        if self._live.get(key) is task:
+            del self._live[key]
 
     async def _handle(self, tp: TopicPartition, record: Any) -> None:
         """Runs one job to a delivered outcome. Every exit is accounted for: done, cancelled
         (partition revoked, shutdown), or a fatal stop of the worker."""
         source = SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset)
-        ctx = Context(
-            source,
-            # Only a key short enough to reuse as the dead-letter record's key.
-            record.key.decode(errors="replace") if record.key and len(record.key) <= 256 else None,
-            self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
-        )  # fmt: skip
-        assert self._suspects is not None
-        deaths = self._suspects.deaths(source)
         try:
+            ctx = Context(
+                source,
+                # Only a key short enough to reuse as the dead-letter record's key.
+                record.key.decode(errors="replace")
+                if record.key and len(record.key) <= 256 else None,
+                self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
+            )  # fmt: skip
+            assert self._suspects is not None
+            deaths = self._suspects.deaths(source)
             outcome = await self._runner.run(record.value, ctx, record.timestamp or 0, deaths)
             try:
                 await self._publish(outcome)
@@ -194,9 +206,9 @@ class Worker:
                 outcome = self._runner.refused(outcome, exc, record.value, ctx)
                 await self._publish(outcome)
             self._count(outcome)
-            if deaths:
-                await self._off_loop(self._suspects.clear, source)
             self.tracker.done(tp, record.offset)
+            if deaths:
+                await self._clear_suspect(source)
         except asyncio.CancelledError:
             raise
         except EngineFatal as exc:
@@ -208,6 +220,13 @@ class Worker:
         except Exception as exc:
             log.exception("job at %s failed unexpectedly", source)
             self._stop_fatally(ExitCode.INTERNAL, f"job at {source} failed unexpectedly", exc)
+
+    async def _clear_suspect(self, source: SourceCoords) -> None:
+        assert self._suspects is not None
+        try:
+            await self._off_loop(self._suspects.clear, source)
+        except KafkaError as exc:  # at worst it runs alone once more if redelivered
+            log.warning("could not clear suspect %s: %s", source, exc)
 
     def _stop_fatally(self, code: ExitCode, what: str, exc: BaseException) -> None:
         if self._fatal is None:
@@ -279,18 +298,21 @@ class Worker:
 
     # Rebalance callbacks: they run on the Kafka thread, inside poll().
 
-    def _on_revoked(self, revoked: list[TopicPartition]) -> None:
+    async def _on_revoked(self, revoked: list[TopicPartition]) -> None:
         """Commit what is done for the partitions we give up (synchronously, with a deadline:
-        the next owner starts from it), then stop their jobs: the next owner redoes them."""
+        the next owner starts from it), then stop their jobs: the next owner redoes them.
+        Runs on kafka-python's network thread, which awaits it (kafka_io.RebalanceListener)."""
         offsets = self.tracker.to_commit(revoked) if self._fatal is None else {}
-        if offsets:
-            try:
-                self._consumer.commit(commit_payload(offsets), timeout_ms=REVOKE_COMMIT_TIMEOUT_MS)
+        try:
+            if offsets:
+                await commit_in_rebalance(self._consumer, offsets, REVOKE_COMMIT_TIMEOUT_MS)
                 self.tracker.committed(offsets)
-            except KafkaError as exc:
-                self._metrics.commit_errors.inc()
-                log.warning("commit on revoke failed (%s): those jobs will be redone", exc)
-        self._drop(revoked)
+        except KafkaError as exc:
+            self._metrics.commit_errors.inc()
+            log.warning("commit on revoke failed (%s): those jobs will be redone", exc)
+            offsets = {}
+        finally:
+            self._drop(revoked)
         log.info("revoked %s (committed %s)", revoked, offsets)
 
     def _on_lost(self, lost: list[TopicPartition]) -> None:
@@ -299,13 +321,23 @@ class Worker:
         log.warning("lost %s", lost)
 
     def _on_assigned(self, assigned: list[Any]) -> None:
-        """A partition assigned while paused (a cooperative rebalance adds it to a running
-        assignment) starts paused, before this same poll fetches from it. Suspects are read up
-        to now first: the partition may come from a worker whose engine just died."""
-        if assigned and self._suspects is not None:
-            self._suspects.refresh()
-        if self._paused and assigned:
+        """New partitions start paused, before this same poll fetches from them: the worker may
+        be full (a cooperative rebalance adds partitions to a running assignment), and a
+        partition may come from a worker whose engine just died, so the suspects topic is read
+        first. That read blocks, so it happens after poll() returns (`_check_suspects`), not
+        here on kafka-python's network thread, where it would hold up heartbeats."""
+        if assigned:
             self._consumer.pause(*assigned)
+            self._unchecked.extend(assigned)
+
+    async def _check_suspects(self) -> None:
+        unchecked, self._unchecked = self._unchecked, []
+        assert self._suspects is not None
+        await self._on_kafka(self._suspects.refresh)
+        if not self._paused:
+            owned = await self._on_kafka(self._consumer.assignment)
+            await self._on_kafka(lambda: self._consumer.resume(*[tp for tp in unchecked
+                                                                 if tp in owned]))  # fmt: skip
 
     def _drop(self, tps: list[TopicPartition]) -> None:
         self.tracker.forget(tps)
@@ -319,6 +351,8 @@ class Worker:
                 task.cancel()
 
     async def _shut_down(self) -> None:
+        if isinstance(self._fatal, EngineFatal):
+            await self._record_suspects()  # first: before anything could move a partition
         if self._fatal is None and self._live:
             grace = self._cfg.limits.shutdown_grace_s
             log.info("draining %d in-flight jobs (up to %.0fs)", len(self._live), grace)
@@ -332,8 +366,6 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(self._fatal, EngineFatal):
-            await self._record_suspects()
         if self._consumer is not None:
             await self._commit()
             await self._bounded(self._on_kafka(self._consumer.close, False, CLOSE_TIMEOUT_S * 1000))
@@ -382,7 +414,8 @@ class Worker:
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> None:
         def on_signal(signum: int) -> None:
-            if self._stopping.is_set():
+            self._signals += 1
+            if self._signals > 1:  # a fatal stop in progress is not a first signal
                 log.warning("second %s: exiting now", signal.Signals(signum).name)
                 os._exit(ExitCode.INTERRUPTED)
             log.info("%s: finishing in-flight jobs, then exiting", signal.Signals(signum).name)

@@ -146,7 +146,7 @@ def _probe_video(data: bytes) -> MediaType | None:
     from av.stream import Disposition
 
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.error.FFmpegError:
         return None
     with container:

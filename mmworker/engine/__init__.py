@@ -88,6 +88,12 @@ class Engine:
             # only stops vLLM from adding a further model-runner process whose shared-memory queue
             # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            # Read by the engine core when it starts (bench/soak.py, 20,000 jobs): glibc otherwise
+            # keeps freed tensor memory in its heaps (about as much again as vLLM's processor
+            # cache), and oneDNN keeps up to 1,024 compiled kernels, one per new input shape.
+            # Not set on GPUs, where their cost was not measured. A value set by the user wins.
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
         else:
             # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -203,7 +209,7 @@ class Engine:
         t0 = time.monotonic()
         final = None
         try:
-            engine_input = self._render(prompt)
+            engine_input = await self._render(prompt)
             async for out in self._llm.generate(engine_input, sampling, request_id=request_id):
                 final = out
         except EngineDeadError as exc:
@@ -230,19 +236,21 @@ class Engine:
             engine_s=time.monotonic() - t0,
         )
 
-    def _render(self, prompt: dict[str, Any]) -> Any:
+    async def _render(self, prompt: dict[str, Any]) -> Any:
         """Render the prompt (tokens, multimodal processing) through vLLM's renderer ourselves:
-        handing raw prompts to the engine is deprecated from vLLM 0.3x on. Releases without the
-        renderer (0.25 on the GPU host) still take the raw prompt."""
-        renderer = getattr(self._llm, "renderer", None)
-        if renderer is None:
+        handing raw prompts to the engine is deprecated from vLLM 0.3x on. The async form runs
+        the processor on vLLM's own multimodal thread, in order with its cache, not on our event
+        loop. Releases without the renderer (0.25 on the GPU host) still take the raw prompt."""
+        renderer: Any = getattr(self._llm, "renderer", None)
+        render_async = getattr(renderer, "render_cmpl_async", None)
+        if render_async is None:
             return prompt
         try:
             from vllm.renderers.inputs.preprocess import parse_model_prompt
         except ImportError:
             return prompt
         parsed = parse_model_prompt(self._llm.model_config, prompt)
-        (engine_input,) = renderer.render_cmpl([parsed], renderer.default_cmpl_tok_params)
+        (engine_input,) = await render_async([parsed], renderer.default_cmpl_tok_params)
         return engine_input
 
     def _enter(self) -> None:

@@ -111,16 +111,21 @@ class Consumer:
         if self.pending_rebalance is not None:
             kind, tps = self.pending_rebalance
             self.pending_rebalance = None
-            kafka_tps = [SimpleNamespace(topic=tp.topic, partition=tp.partition) for tp in tps]
+            # kafka-python awaits the listener's coroutines on its own network loop.
             if kind == "revoke":
-                self.listener.on_partitions_revoked(kafka_tps)
+                asyncio.run(self.listener.on_partitions_revoked(tps))
                 self.owned -= set(tps)
             elif kind == "lose":
-                self.listener.on_partitions_lost(kafka_tps)
+                asyncio.run(self.listener.on_partitions_lost(tps))
                 self.owned -= set(tps)
+            elif kind == "lose+assign":  # evicted and re-admitted within one poll
+                asyncio.run(self.listener.on_partitions_lost(tps))
+                for tp in tps:  # redelivered from the last commit
+                    self.positions[tp] = self.committed().get(tp, 0)
+                asyncio.run(self.listener.on_partitions_assigned(tps))
             else:
                 self.owned |= set(tps)
-                self.listener.on_partitions_assigned(kafka_tps)
+                asyncio.run(self.listener.on_partitions_assigned(tps))
         self.max_records_seen.append(max_records)
         out: dict[Any, list[Any]] = {}
         budget = max_records
@@ -153,6 +158,17 @@ class Consumer:
 
     def close(self, autocommit: bool = False, timeout_ms: int | None = None) -> None:
         self.closed = True
+
+    @property
+    def _coordinator(self) -> Any:
+        """What `kafka_io.commit_in_rebalance` awaits inside a rebalance callback."""
+        consumer = self
+
+        class Coordinator:
+            async def _commit_offsets_sync_async(self, offsets: Any, timeout_ms: int) -> None:
+                consumer.commit(offsets)
+
+        return Coordinator()
 
     def committed(self) -> dict[TopicPartition, int]:
         out: dict[TopicPartition, int] = {}
@@ -228,9 +244,7 @@ class ScriptedRunner(JobRunner):
         self, raw: bytes | None, ctx: Context, broker_ts_ms: int, isolated: bool
     ) -> Outcome:
         job_id = json.loads(raw or b"{}")["job_id"]
-        if isolated:  # run() already holds the engine alone
-            return await self._engine_step(job_id, ctx)
-        async with self._gate.shared():
+        async with self._gate.alone() if isolated else self._gate.shared():
             return await self._engine_step(job_id, ctx)
 
     async def _engine_step(self, job_id: str, ctx: Context) -> Outcome:

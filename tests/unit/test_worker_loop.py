@@ -111,6 +111,38 @@ def test_giving_up_a_partition_cancels_its_jobs_and_commits_only_on_revoke(how: 
         assert P1 not in committed  # lost: another member owns it, commit nothing
 
 
+def test_a_partition_lost_and_reassigned_in_one_poll_keeps_every_running_job_counted() -> None:
+    """The cancelled jobs of the lost partition end after their redelivered twins started under
+    the same keys: ending must not remove the twins from the registry."""
+    consumer = Consumer({0: 2})
+    gate = asyncio.Event()
+    ran: list[SourceCoords] = []
+
+    async def behave(s: SourceCoords) -> None:
+        ran.append(s)
+        await gate.wait()
+
+    worker, _, producer, _, _ = make_worker(consumer, behave)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(worker.run())
+        while len(ran) < 2:
+            await asyncio.sleep(0.01)
+        consumer.pending_rebalance = ("lose+assign", [P0])
+        while len(ran) < 4:  # both redelivered and running again
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the cancelled originals have ended by now
+        assert len(worker._live) == 2, worker._live
+        gate.set()
+        while consumer.committed().get(P0) != 2:
+            await asyncio.sleep(0.01)
+        worker._stopping.set()
+        return await task
+
+    assert asyncio.run(scenario()) == ExitCode.OK
+    assert len(producer.on(OUTPUT)) == 2
+
+
 def test_engine_death_stops_uncommitted_and_records_everyone_inside_as_suspects() -> None:
     consumer = Consumer({0: 3, 1: 3})
     inside = asyncio.Event()

@@ -115,14 +115,26 @@ async def _no_sleep(delay: float) -> None:
     await _real_sleep(0)
 
 
-def test_partitions_assigned_while_paused_start_paused() -> None:
-    """A cooperative rebalance adds partitions to a running assignment, inside poll: if the
-    worker is full, they must not be fetched from by that same poll."""
+def test_assigned_partitions_start_paused_until_the_suspects_are_read() -> None:
+    """Inside poll, before that same poll fetches: the worker may be full, and a partition may
+    come from a worker whose engine just died (its suspects must be known first)."""
     paused: list[Any] = []
+    resumed: list[Any] = []
     worker, _ = _worker(Producer({}))
-    worker._consumer = SimpleNamespace(pause=lambda *tps: paused.extend(tps))
-    worker._on_assigned(["jobs-1"])
-    assert paused == []
+    suspects = worker._suspects
+    assert isinstance(suspects, Suspects)
+    worker._consumer = SimpleNamespace(
+        pause=lambda *tps: paused.extend(tps),
+        resume=lambda *tps: resumed.extend(tps),
+        assignment=lambda: {"jobs-1", "jobs-2"},
+    )
+    worker._on_assigned(["jobs-1", "jobs-2"])
+    assert paused == ["jobs-1", "jobs-2"] and resumed == []
+    asyncio.run(worker._check_suspects())
+    assert suspects.refreshes == 1
+    assert sorted(resumed) == ["jobs-1", "jobs-2"]
+    # While the worker is full, they stay paused after the check (backpressure resumes them).
     worker._paused = True
-    worker._on_assigned(["jobs-2", "jobs-3"])
-    assert paused == ["jobs-2", "jobs-3"]
+    worker._on_assigned(["jobs-3"])
+    asyncio.run(worker._check_suspects())
+    assert "jobs-3" in paused and "jobs-3" not in resumed
