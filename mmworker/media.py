@@ -8,6 +8,7 @@ one hash and one zstd decode per item.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
@@ -24,6 +25,7 @@ from preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
 from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
 from preprocess.prepare import prepare_media
 from preprocess.sniff import sniff
+from preprocess.tokens import image_tokens, video_tokens
 from schemas import Job, MediaRef
 
 log = logging.getLogger(__name__)
@@ -194,8 +196,7 @@ class MediaStage:
             # but not the rules on where media may come from.
             check_allowed(ref, self._policy)
             for params in (image, video):
-                key = make_key(ref.sha256, params)
-                hit = self._get(key, params)
+                key, hit = self._lookup(ref.sha256, params)
                 if hit is not None:
                     return _Acquired(None, ref.sha256, key, hit, 0.0, 0.0)
         t0 = time.perf_counter()
@@ -203,8 +204,28 @@ class MediaStage:
         sha = hashlib.sha256(data).hexdigest()
         t1 = time.perf_counter()
         params = image if sniff(data).kind == "image" else video
+        key, hit = self._lookup(sha, params)
+        return _Acquired(data, sha, key, hit, t1 - t0, time.perf_counter() - t1)
+
+    def _lookup(
+        self, sha: str, params: ImageParams | VideoParams
+    ) -> tuple[str, PreparedImage | PreparedVideo | None]:
+        """The entry for these params; else, when a token budget is part of the key, the entry
+        prepared without one, if it fits the budget: fitting leaves what fits unchanged, so it is
+        exactly what fitting would produce. Without this, jobs that differ only in `max_tokens`
+        or prompt length (a budget that may bind) would miss each other's features."""
         key = make_key(sha, params)
-        return _Acquired(data, sha, key, self._get(key, params), t1 - t0, time.perf_counter() - t1)
+        hit = self._get(key, params)
+        if hit is not None or params.max_tokens is None:
+            return key, hit
+        plain = dataclasses.replace(params, max_tokens=None)
+        plain_key = make_key(sha, plain)
+        if plain_key == key:
+            return key, None
+        plain_hit = self._get(plain_key, plain)
+        if plain_hit is not None and _visual_tokens(plain_hit) <= params.max_tokens:
+            return plain_key, plain_hit
+        return key, None
 
     def _worth_caching(self, prepared: PreparedImage | PreparedVideo) -> bool:
         """Small images decode faster than a cache entry is written and read back."""
@@ -235,6 +256,12 @@ class MediaStage:
             with self._pending_lock:
                 if self._pending.pop(key, None) is not None:
                     self._pending_bytes -= _nbytes(prepared)
+
+
+def _visual_tokens(prepared: PreparedImage | PreparedVideo) -> int:
+    if isinstance(prepared, PreparedImage):
+        return image_tokens(prepared.pixels.shape[0], prepared.pixels.shape[1])
+    return video_tokens(*prepared.frames.shape[:3])
 
 
 def _nbytes(prepared: PreparedImage | PreparedVideo) -> int:

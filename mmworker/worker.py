@@ -207,7 +207,9 @@ class Worker:
                 await self._publish(outcome)
             self._count(outcome)
             self.tracker.done(tp, record.offset)
-            if deaths:
+            if 0 < deaths < self._cfg.limits.max_engine_deaths:
+                # It finished: innocent. A condemned one keeps its record, so that a redelivery
+                # (the partition moved before the commit) is condemned again, not run again.
                 await self._clear_suspect(source)
         except asyncio.CancelledError:
             raise

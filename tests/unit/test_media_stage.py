@@ -169,3 +169,22 @@ def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Pa
     assert roomy.key == free.key and roomy.cache_hit
     assert fitted.key != free.key and not fitted.cache_hit
     assert image_tokens(*fitted.prepared.pixels.shape[:2]) <= 300
+
+
+def test_features_prepared_without_a_budget_serve_a_budget_they_fit(tmp_path: Path) -> None:
+    """Jobs that differ only in max_tokens (a budget that might bind, so part of the key) must
+    still share features when the unfitted ones fit: fitting would have changed nothing."""
+    from mmworker.media import TokenBudget
+    from mmworker.samples import sample_video
+    from preprocess.tokens import video_tokens
+
+    stage, pool = _stage(tmp_path, ())
+    job = Job(job_id="v", media=[MediaRef(data=sample_video(seconds=3))])
+    (free,) = asyncio.run(stage.prepare(job))
+    need = video_tokens(*free.prepared.frames.shape[:3])
+    (fits,) = asyncio.run(stage.prepare(job, [TokenBudget(image=None, video=need + 100)]))
+    (tight,) = asyncio.run(stage.prepare(job, [TokenBudget(image=None, video=need // 2)]))
+    pool.shutdown(wait=True)
+    assert fits.cache_hit and fits.key == free.key
+    assert not tight.cache_hit and tight.key != free.key
+    assert video_tokens(*tight.prepared.frames.shape[:3]) <= need // 2
