@@ -142,6 +142,11 @@ class MediaStage:
         t0 = time.perf_counter()
         prepared, shared = await self._decode(got.key, got.data, image, video)
         preprocess_s = got.lookup_s + time.perf_counter() - t0
+        unfitted = isinstance(prepared, PreparedVideo) and not prepared.fitted
+        if unfitted and video.max_tokens is not None:
+            # The budget changed nothing: file it where any budget it fits looks (`_lookup`).
+            plain = dataclasses.replace(video, max_tokens=None)
+            got = dataclasses.replace(got, key=make_key(got.sha256, plain))
         if self._worth_caching(prepared) and got.key not in self._pending:
             # Written in the background: the engine should not wait for zstd. Until the entry is
             # on disk, a repeat finds it in `_pending`.

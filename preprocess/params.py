@@ -233,6 +233,9 @@ class PreparedVideo:
     #: Only part of the video decoded (a cut download, damaged data): the frames, `timestamps`
     #: and `duration_s` cover that part, which starts at the beginning.
     partial: bool = False
+    #: The token budget changed the plan (smaller or fewer frames). Unfitted frames are what any
+    #: budget they fit would produce, so they are cached under the key without a budget.
+    fitted: bool = False
     #: The length the video should have had, when `partial`: what its container declares, or
     #: the span its frames were found to cover when the damage was in decoding.
     full_duration_s: float | None = None

@@ -217,6 +217,7 @@ def prepare_video(
     plan = _plan(timeline, params)
     if not plan.targets:
         raise NoFrames("the video stream has no frames")
+    unfitted = plan
     plan = _fit(timeline, params, plan, coded)
     wanted = sorted(set(plan.targets))
     runs = _runs(timeline, wanted)
@@ -270,6 +271,7 @@ def prepare_video(
         sample_fps=plan.sample_fps,
         partial=partial,
         full_duration_s=timeline.expected_s if partial else None,
+        fitted=plan is not unfitted,
     )
 
 
