@@ -325,7 +325,9 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     proc.stdout.readline()
     proc.stdout.close()  # what `| head -1` does
     err = proc.stderr.read()
-    assert proc.wait(timeout=60) == 141
+    # 141 when a write met the closed pipe; 0 when the whole output had already fit in the pipe
+    # buffer before the reader left (timing): either way, nothing on stderr.
+    assert proc.wait(timeout=60) in (0, 141)
     assert err == b""
 
 
