@@ -195,27 +195,31 @@ class Seen:
         return datetime.fromisoformat(ts).timestamp() if ts else None
 
 
+def read_from_start(bootstrap: str, topics: list[str]) -> Any:
+    """A group-less consumer on every partition of `topics`, at the beginning."""
+    from kafka import KafkaConsumer
+    from kafka.structs import TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=[bootstrap],
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+    )
+    parts = [
+        TopicPartition(t, p) for t in topics for p in (consumer.partitions_for_topic(t) or {0})
+    ]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    return consumer
+
+
 class ResultReader:
     """Reads output + dead-letter topics from the start; one record per job id is kept."""
 
     def __init__(self, bootstrap: str, topics: list[str]) -> None:
-        from kafka import KafkaConsumer
-        from kafka.structs import TopicPartition
-
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=[bootstrap],
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=50,
-        )
-        parts = [
-            TopicPartition(t, p)
-            for t in topics
-            for p in (self._consumer.partitions_for_topic(t) or {0})
-        ]
-        self._consumer.assign(parts)
-        self._consumer.seek_to_beginning(*parts)
+        self._consumer = read_from_start(bootstrap, topics)
         self.seen: dict[str, Seen] = {}
 
     def pump(self, timeout_ms: int = 100) -> int:

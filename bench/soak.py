@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, ROOT, environment, print_table
+from bench.common import OUT, ROOT, environment, print_table, read_from_start
 
 RESULTS = ROOT / "bench" / "results"
 PARTITIONS = 3
@@ -429,23 +429,7 @@ class Answers:
     """Counts answered job ids on the output and dead-letter topics; keeps no documents."""
 
     def __init__(self, bootstrap: str, topics: list[str]) -> None:
-        from kafka import KafkaConsumer
-        from kafka.structs import TopicPartition
-
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=[bootstrap],
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=50,
-        )
-        parts = [
-            TopicPartition(t, p)
-            for t in topics
-            for p in (self._consumer.partitions_for_topic(t) or {0})
-        ]
-        self._consumer.assign(parts)
-        self._consumer.seek_to_beginning(*parts)
+        self._consumer = read_from_start(bootstrap, topics)
         self._dlq = topics[-1]
         self.ids: set[str] = set()
         self.failures: dict[str, int] = {}

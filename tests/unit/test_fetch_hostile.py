@@ -40,18 +40,6 @@ DEADLINE = 0.6
 DRIP = 0.03
 
 
-@pytest.fixture(autouse=True)
-def _loopback_only(monkeypatch):
-    """Whatever a test (or a bug) resolves, nothing may connect beyond 127.0.0.1 and ::1."""
-    real = fetch._open_socket
-
-    def guarded(address: str) -> socket.socket:
-        assert address in ("127.0.0.1", "::1"), f"a test tried to connect to {address}"
-        return real(address)
-
-    monkeypatch.setattr(fetch, "_open_socket", guarded)
-
-
 class RawServer:
     """Accepts on 127.0.0.1 and runs `script(server, conn)` for each connection in a thread."""
 

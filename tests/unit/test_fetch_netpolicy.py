@@ -19,18 +19,6 @@ from schemas.codes import ErrorCode
 from schemas.job import MediaRef
 
 
-@pytest.fixture(autouse=True)
-def _loopback_only(monkeypatch):
-    """Whatever a test (or a bug) resolves, nothing may connect beyond 127.0.0.1 and ::1."""
-    real = fetch._open_socket
-
-    def guarded(address: str) -> socket.socket:
-        assert address in ("127.0.0.1", "::1"), f"a test tried to connect to {address}"
-        return real(address)
-
-    monkeypatch.setattr(fetch, "_open_socket", guarded)
-
-
 def _nat64_local(v4: str, cut: int) -> str:
     """`v4` inside 64:ff9b:1::/48 as RFC 6052 §2.2 lays it out for a /`cut` prefix."""
     n, prefix = int(IPv4Address(v4)), int(IPv6Address("64:ff9b:1::"))
