@@ -36,6 +36,7 @@ from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import (
     RebalanceListener,
+    close_consumer,
     commit_in_rebalance,
     commit_payload,
     ensure_suspects_topic,
@@ -370,7 +371,9 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._consumer is not None:
             await self._commit()
-            await self._bounded(self._on_kafka(self._consumer.close, False, CLOSE_TIMEOUT_S * 1000))
+            await self._bounded(
+                self._on_kafka(close_consumer, self._consumer, CLOSE_TIMEOUT_S * 1000)
+            )
         if self._suspects is not None:
             await self._bounded(self._on_kafka(self._suspects.close))
         if self._producer is not None:

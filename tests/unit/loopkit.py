@@ -165,6 +165,8 @@ class Consumer:
         consumer = self
 
         class Coordinator:
+            rejoin_needed = False  # `kafka_io.close_consumer` reads it
+
             async def _commit_offsets_sync_async(self, offsets: Any, timeout_ms: int) -> None:
                 consumer.commit(offsets)
 
