@@ -1,0 +1,52 @@
+"""The front-end process settings do what their docstrings promise, measured by page faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mmworker.engine import frontend
+
+_CHILD = """
+import resource, sys
+import numpy as np
+if sys.argv[1] == "keep":
+    from mmworker.engine.frontend import keep_heap
+    assert keep_heap()
+x = np.ones(10_000_000, dtype=np.float32)  # 40 MB: above glibc's largest mmap threshold
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    y = x * 2.0  # a fresh 40 MB temporary each time, as the HF processor makes per clip
+    del y
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _faults(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True,
+                         check=True, env={k: v for k, v in os.environ.items()
+                                          if not k.startswith("MALLOC_")})  # fmt: skip
+    return int(out.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keeping_the_heap_stops_large_temporaries_from_faulting_in_again() -> None:
+    default, kept = _faults("default"), _faults("keep")
+    # By default each of the 20 temporaries is mapped and faulted in anew (here ~570 faults
+    # each: the kernel maps several pages per fault); kept, only the first one faults.
+    assert default > 5_000, default
+    assert kept * 5 < default, (kept, default)
+
+
+def test_processor_threads_set_omp_unless_the_user_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    frontend.processor_threads(None)
+    assert "OMP_NUM_THREADS" not in os.environ
+    frontend.processor_threads(4)
+    assert os.environ["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    frontend.processor_threads(8)
+    assert os.environ["OMP_NUM_THREADS"] == "2"
