@@ -14,10 +14,10 @@ are kept only as a shortcut past that probe, never as a reason to refuse.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Literal
 
+from preprocess.avopen import open_input
 from preprocess.errors import UnsupportedMedia
 
 MediaKindName = Literal["image", "video"]
@@ -146,7 +146,7 @@ def _probe_video(data: bytes) -> MediaType | None:
     from av.stream import Disposition
 
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        container = open_input(data)
     except av.error.FFmpegError:
         return None
     with container:

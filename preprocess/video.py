@@ -52,7 +52,6 @@ media file, just not a kind this worker captions); data no frame decodes from â†
 from __future__ import annotations
 
 import bisect
-import io
 import itertools
 import math
 import os
@@ -75,6 +74,7 @@ from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
 from PIL import Image
 
+from preprocess.avopen import open_input
 from preprocess.errors import (
     NoFrames,
     TooLarge,
@@ -404,9 +404,7 @@ def _decode_tail(
 
 def _open(data: bytes) -> InputContainer:
     try:
-        # Tags are never used here, and PyAV's strict decoding raises UnicodeDecodeError (an
-        # untyped crash) on the Latin-1 titles of old RealMedia and AVI files.
-        return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+        return open_input(data)
     except av.error.FFmpegError as exc:
         raise UndecodableVideo(f"cannot open the container: {exc}") from None
 
