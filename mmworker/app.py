@@ -146,6 +146,7 @@ async def _serve(
             cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels, writer
         )
         runner = JobRunner(cfg, engine, media, metrics)
+        await runner.check_tasks()
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))

@@ -414,7 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _connection_args(p)
     p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
-    p.add_argument("--prompt", help="instruction; a default per media kind when absent")
+    p.add_argument("--prompt", help="instruction; the task's, or a default per media kind")
+    p.add_argument(
+        "--task", metavar="NAME",
+        help="a task of the worker's config (caption, tags, summary, objects, ocr, safety, or "
+        "one it adds): its prompt and response_format",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="longest caption")
     p.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 is greedy decoding"

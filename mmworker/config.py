@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import tomllib
 from contextvars import ContextVar
@@ -34,7 +35,9 @@ from pydantic_settings import (
 )
 
 from mmworker.errors import ConfigError
+from mmworker.task_defaults import DEFAULT_TASKS
 from preprocess.params import FetchPolicy, ImageParams, VideoParams
+from schemas.job import TASK_NAME_PATTERN, ResponseFormat
 
 _TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=None)
 
@@ -207,6 +210,28 @@ class EngineConfig(_Section):
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
     )
+    frontend_keep_heap: bool | None = Field(
+        None,
+        description="In the process that runs vLLM's front end, malloc reuses freed memory "
+        "instead of mmapping each large processor temporary anew (page faults were half the "
+        "processor's time on an H200 host); unset: on with a GPU, off on CPU",
+    )
+    processor_threads: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Torch threads for vLLM's HF processor calls (sets OMP_NUM_THREADS when "
+        "unset); unset: vLLM's default, 1",
+    )
+    renderer_threads: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Threads of vLLM's renderer, which run the HF processor for concurrent "
+        "requests side by side (vLLM 0.25; from 0.3x only tokenising is spread). Above 1, vLLM's "
+        "processor cache is turned off (vLLM refuses both); the feature cache and encoder store "
+        "serve repeats. Unset: 1",
+    )
     extra: dict[str, JsonValue] = Field(
         default_factory=dict, description="Any other vLLM engine argument, passed through"
     )
@@ -369,6 +394,64 @@ class LimitsConfig(_Section):
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
 
 
+class StructuredOutputConfig(_Section):
+    max_schema_bytes: int = Field(
+        16 * 1024,
+        ge=64,
+        description="Largest response_format a job may send (its schema, regex or choice list as "
+        "compact JSON); larger: invalid_response_format",
+    )
+    max_schema_depth: int = Field(
+        24,
+        ge=2,
+        le=64,
+        description="Deepest nesting of objects and lists inside a JSON Schema (vLLM refuses "
+        "beyond 64); deeper: invalid_response_format",
+    )
+    compile_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Most a new response_format may take to compile with xgrammar before it is "
+        "refused (invalid_response_format); each distinct one is compiled once per worker",
+    )
+    cache_entries: int = Field(
+        1024,
+        ge=1,
+        description="Distinct response_formats whose compile verdict is remembered (LRU)",
+    )
+
+
+#: Where `{media}` in a task prompt comes from: the sniffed kinds of the job's media.
+PromptKind = Literal["image", "video", "mixed"]
+
+
+class TaskConfig(_Section):
+    """A named prompt template a job selects with its `task` field."""
+
+    description: str = Field("", description="What the task is for (shown in the README)")
+    prompt: str | dict[PromptKind, str] = Field(
+        description="Instruction, or one per kind of media (image, video, mixed); '{media}' "
+        "becomes 'image', 'video' or 'images and videos'. A job's own prompt wins"
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="Constraint of the answer; a job's own response_format wins"
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=8192,
+        description="generation.max_tokens for jobs that do not set it (a JSON answer cut short "
+        "is incomplete_output)",
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _complete(cls, value: str | dict[str, str]) -> str | dict[str, str]:
+        if isinstance(value, dict) and set(value) != {"image", "video", "mixed"}:
+            raise ValueError("a prompt per kind needs exactly the keys image, video and mixed")
+        return value
+
+
 class WorkerConfig(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="MMWORKER_", env_nested_delimiter="__", frozen=True, extra="forbid"
@@ -379,6 +462,13 @@ class WorkerConfig(BaseSettings):
     preprocess: PreprocessConfig = Field(default_factory=PreprocessConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    tasks: dict[str, TaskConfig] = Field(
+        default_factory=lambda: {name: TaskConfig(**raw) for name, raw in DEFAULT_TASKS.items()},
+        description="Named prompt templates a job picks with `task`; entries given here add to "
+        "or replace (by name) the shipped ones",
+        json_schema_extra={"default_doc": ", ".join(DEFAULT_TASKS)},
+    )
     worker_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Named in every result and failure",
@@ -403,6 +493,23 @@ class WorkerConfig(BaseSettings):
         description="Worker log level (any case); also sets vLLM's and kafka-python's: WARNING "
         "unless DEBUG",
     )
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _over_shipped_tasks(cls, value: object) -> object:
+        """Configured tasks are merged over the shipped set, so adding one task does not
+        silently drop the others."""
+        if isinstance(value, dict):
+            return {**DEFAULT_TASKS, **value}
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, value: dict[str, TaskConfig]) -> dict[str, TaskConfig]:
+        for name in value:
+            if not re.fullmatch(TASK_NAME_PATTERN, name):
+                raise ValueError(f"task name {name!r} must match {TASK_NAME_PATTERN}")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -70,3 +70,25 @@ class TopicRefused(WorkerError):
     stream would be wrong, so the worker stops, uncommitted, for the operator to fix it."""
 
     code = ErrorCode.PUBLISH_FAILED
+
+
+class UnknownTask(WorkerError):
+    """The job names a task this worker's config does not have: running it with a default
+    prompt would answer a question nobody asked."""
+
+    code = ErrorCode.UNKNOWN_TASK
+
+
+class InvalidResponseFormat(WorkerError):
+    """The response_format cannot be run as asked (limits, grammar compilation, a setting that
+    would cut the answer). Refused before the engine, so a bad schema costs no fetch, no decode
+    and no engine time, and never reaches the engine's grammar compiler."""
+
+    code = ErrorCode.INVALID_RESPONSE_FORMAT
+
+
+class IncompleteOutput(WorkerError):
+    """A guided answer stopped before its grammar completed (at `max_tokens`): publishing it
+    would break the promise that `json` validates against the schema."""
+
+    code = ErrorCode.INCOMPLETE_OUTPUT

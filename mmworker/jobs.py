@@ -11,13 +11,17 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from mmworker.config import WorkerConfig
 from mmworker.engine import Engine, EngineItem
+from mmworker.engine.guidance import Checked, GrammarChecker, parse_answer
 from mmworker.errors import (
+    ConfigError,
     EngineCrash,
     EngineFatal,
     ForbiddenReplyTopic,
+    InvalidResponseFormat,
     JobTimeout,
     PublishRefused,
     TooManyMedia,
@@ -28,6 +32,8 @@ from mmworker.gate import EngineGate
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
 from mmworker.records import Context, build_failure, build_result, visual_tokens
+from mmworker.task_defaults import DEFAULT_TASKS
+from mmworker.tasks import Plan, plan_job
 from preprocess.errors import PreprocessError
 from preprocess.tokens import fair_shares
 from schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
@@ -58,10 +64,29 @@ class JobRunner:
         self._media = media
         self._metrics = metrics
         self._gate = EngineGate()
+        self._grammars = GrammarChecker(cfg.structured_output, self._grammar_tokenizer)
         #: Jobs inside the engine now, by request id.
         self._in_engine: dict[str, SourceCoords] = {}
         #: The jobs that were inside the engine when it died (set once, at the first death seen).
         self.dead_with: list[SourceCoords] | None = None
+
+    async def check_tasks(self) -> None:
+        """Compile the response_format of every task the config adds or changes, once the engine
+        is up: a task that cannot run is a configuration error (exit 2), not a dead letter per
+        job. The shipped tasks are checked by the tests, so a default worker pays nothing."""
+        for name, task in self._cfg.tasks.items():
+            shipped = DEFAULT_TASKS.get(name)
+            if task.response_format is None or (
+                shipped is not None and task == type(task)(**shipped)
+            ):
+                continue
+            try:
+                await self._grammars.check(task.response_format)
+            except InvalidResponseFormat as exc:
+                raise ConfigError(f"tasks.{name}.response_format: {exc.message}") from None
+
+    def _grammar_tokenizer(self) -> tuple[Any, int]:
+        return self._engine.grammar_tokenizer()
 
     async def run(
         self, raw: bytes | None, ctx: Context, broker_ts_ms: int, deaths: int = 0
@@ -154,11 +179,13 @@ class JobRunner:
                 f"reply_topic {job.reply_topic!r} is not one of kafka.reply_topics "
                 f"{list(self._cfg.kafka.reply_topics)}"
             )
-        media = await self._media.prepare(job, self._budgets(job))
+        job, plan = plan_job(job, self._cfg.tasks)
+        checked = await self._check_format(plan)
+        media = await self._media.prepare(job, self._budgets(job, plan))
         self._observe_media(media)
-        media = await self._share_context(job, media)
+        media = await self._share_context(job, plan, media)
         kinds = tuple(m.kind for m in media)
-        instruction = job.instruction(list(kinds))
+        instruction = plan.instruction(kinds)
         self._check_budget(job, media, instruction, kinds)
         items = [EngineItem(m.prepared, m.key) for m in media]
         request_id = (
@@ -169,7 +196,10 @@ class JobRunner:
         async with self._gate.alone() if isolated else self._gate.shared():
             self._in_engine[request_id] = ctx.source
             try:
-                out = await self._engine.generate(request_id, instruction, items, job.generation)
+                out = await self._engine.generate(
+                    request_id, instruction, items, job.generation,
+                    guide=checked.guide if checked else None,
+                )  # fmt: skip
             except EngineFatal:
                 if self.dead_with is None:  # the first to see the death sees everyone inside
                     self.dead_with = list(self._in_engine.values())
@@ -178,10 +208,28 @@ class JobRunner:
                 del self._in_engine[request_id]
         self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
         self._metrics.output_tokens.inc(out.output_tokens)
+        parsed = None
+        if checked is not None:
+            parsed = parse_answer(
+                checked.guide, out.text, out.finish_reason, job.generation.max_tokens
+            )
         return build_result(
             job=job, media=media, out=out, ctx=ctx, queue_wait_s=queue_wait_s,
-            total_s=time.perf_counter() - t0,
+            total_s=time.perf_counter() - t0, parsed=parsed,
         )  # fmt: skip
+
+    async def _check_format(self, plan: Plan) -> Checked | None:
+        """The job's response_format, compiled (once per distinct format) before anything is
+        fetched: one that cannot run costs nothing else and never reaches the engine."""
+        if plan.response_format is None:
+            return None
+        try:
+            checked = await self._grammars.check(plan.response_format)
+        except InvalidResponseFormat:
+            self._metrics.response_formats.labels("refused").inc()
+            raise
+        self._metrics.response_formats.labels(checked.how).inc()
+        return checked
 
     def _observe_media(self, media: list[PreparedMedia]) -> None:
         for m in media:
@@ -190,7 +238,7 @@ class JobRunner:
             self._metrics.stage_seconds.labels("fetch").observe(m.fetch_s)
             self._metrics.stage_seconds.labels("preprocess").observe(m.preprocess_s)
 
-    def _budgets(self, job: Job) -> list[TokenBudget]:
+    def _budgets(self, job: Job, plan: Plan) -> list[TokenBudget]:
         """The visual tokens each item may take, fixed before anything is fetched, so a video
         that needs fitting is decoded once, at the fitted plan (see the fitting rule in
         preprocess.video `_fit`).
@@ -210,13 +258,15 @@ class JobRunner:
         left: dict[str, int | None] = {}
         for kind in ("image", "video"):
             mixes = [(kind,) * n] + ([("image",) + ("video",) * (n - 1)] if n > 1 else [])
-            text = min(self._engine.prompt_tokens(job.instruction(list(m)), m) for m in mixes)
+            text = min(self._engine.prompt_tokens(plan.instruction(m), m) for m in mixes)
             room = cfg.max_model_len - text - job.generation.max_tokens
             # No room at all: nothing to fit to; the final check refuses it with the numbers.
             left[kind] = min(per_item, room) if room > 0 else None
         return [TokenBudget(left["image"], left["video"])] * n
 
-    async def _share_context(self, job: Job, media: list[PreparedMedia]) -> list[PreparedMedia]:
+    async def _share_context(
+        self, job: Job, plan: Plan, media: list[PreparedMedia]
+    ) -> list[PreparedMedia]:
         """Fit a job whose items each fit but together overflow the context: max-min fair shares.
 
         Items needing no more than an equal share of what is left keep what they have; the
@@ -229,7 +279,7 @@ class JobRunner:
             return media  # one item was fitted to the exact room already
         kinds = tuple(m.kind for m in media)
         self._check_counts(kinds)
-        text = self._engine.prompt_tokens(job.instruction(list(kinds)), kinds)
+        text = self._engine.prompt_tokens(plan.instruction(kinds), kinds)
         capacity = cfg.max_model_len - text - job.generation.max_tokens
         needs = [visual_tokens(m) for m in media]
         shares = fair_shares(needs, capacity)

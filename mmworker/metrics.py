@@ -42,6 +42,13 @@ class Metrics:
             registry=r,
         )
         self.output_tokens = Counter("mmworker_output_tokens", "Generated tokens", registry=r)
+        self.response_formats = Counter(
+            "mmworker_response_formats",
+            "Guided jobs' response_format checks: compiled (first of its kind), cached (verdict "
+            "known), refused (invalid_response_format)",
+            ["result"],
+            registry=r,
+        )
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import JsonValue
+
 from mmworker.engine import EngineOutput
 from mmworker.media import PreparedMedia
 from preprocess.params import PreparedImage
@@ -66,10 +68,13 @@ def build_result(
     ctx: Context,
     queue_wait_s: float,
     total_s: float,
+    parsed: JsonValue = None,
 ) -> Result:
     return Result(
         job_id=job.job_id,
         text=out.text,
+        task=job.task,
+        json_=parsed,
         finish_reason=out.finish_reason,
         model=ctx.model,
         model_revision=ctx.model_revision,

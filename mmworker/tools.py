@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import uuid
@@ -30,6 +31,7 @@ from mmworker.exits import ExitCode, Interrupted
 from preprocess.errors import UnsupportedMedia
 from preprocess.sniff import sniff
 from schemas import GenerationParams, Job, MediaRef
+from schemas.job import TASK_NAME_PATTERN
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
 #: unusual container a few KiB to find its streams.
@@ -115,6 +117,7 @@ def job_for(source: str, ref: MediaRef, args: argparse.Namespace) -> Job:
     return Job(
         job_id=str(uuid.uuid4()),
         prompt=args.prompt,
+        task=getattr(args, "task", None),
         media=[ref],
         generation=generation,
         metadata={"source": source},
@@ -122,7 +125,11 @@ def job_for(source: str, ref: MediaRef, args: argparse.Namespace) -> Job:
 
 
 def check_sampling(args: argparse.Namespace) -> None:
-    """The sampling flags, checked before the brokers are reached or a file is read."""
+    """The sampling flags (and the task's name), checked before the brokers are reached or a
+    file is read."""
+    task = getattr(args, "task", None)
+    if task is not None and not re.fullmatch(TASK_NAME_PATTERN, task):
+        raise ConfigError(f"invalid --task {task!r}: a task name matches {TASK_NAME_PATTERN}")
     try:
         GenerationParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -271,6 +278,23 @@ def summarise(topic: str, doc: dict[str, object], key: bytes | None = None) -> s
     items = media if isinstance(media, list) else []
     kinds = ",".join(str(m.get("kind")) for m in items if isinstance(m, dict))
     hit = " (cache hit)" if doc.get("cache_hit") else ""
+    task = f" {doc['task']}" if doc.get("task") else ""
+    if doc.get("json") is not None:
+        return f"[{topic}] {name} [{kinds}]{task}{hit}: {fields(doc['json'])}"
     text = str(doc.get("text"))
     shown = repr(text[:60] + ("…" if len(text) > 60 else ""))
-    return f"[{topic}] {name} [{kinds}]{hit}: {shown}"
+    return f"[{topic}] {name} [{kinds}]{task}{hit}: {shown}"
+
+
+def fields(parsed: object, width: int = 160) -> str:
+    """A parsed answer on one line: `key=value` per field of an object, values as compact
+    JSON, cut at `width` characters."""
+    if isinstance(parsed, dict):
+        line = " ".join(f"{k}={_compact(v)}" for k, v in parsed.items())
+    else:
+        line = _compact(parsed)
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -35,6 +35,13 @@ class ErrorCode(StrEnum):
     #: Added in 1.3: the job was inside the engine at `limits.max_engine_deaths` engine deaths
     #: (a "query of death"); it is not run again.
     ENGINE_CRASH = "engine_crash"
+    #: Added in 1.4: the job names a task this worker does not have (`tasks` in its config).
+    UNKNOWN_TASK = "unknown_task"
+    #: Added in 1.4: the response_format is one the worker will not run: over its size or depth
+    #: limits, not compilable by the grammar backend, or combined with `stop`/`ignore_eos`.
+    INVALID_RESPONSE_FORMAT = "invalid_response_format"
+    #: Added in 1.4: a guided answer did not complete its response_format within `max_tokens`.
+    INCOMPLETE_OUTPUT = "incomplete_output"
 
 
 #: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries

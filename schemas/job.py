@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import (
     AfterValidator,
@@ -114,11 +114,65 @@ class VideoOptions(_Frozen):
     max_pixels: int | None = Field(default=None, ge=28 * 28, description="Per frame")
 
 
+TASK_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+TaskName = Annotated[str, StringConstraints(pattern=TASK_NAME_PATTERN)]
+
+
+class JsonSchemaFormat(_Frozen):
+    """The answer is one JSON document valid against `schema`; the result carries it parsed."""
+
+    # "schema" is a BaseModel attribute: the field is `schema_` in Python, "schema" on the wire.
+    model_config = ConfigDict(
+        validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
+    type: Literal["json_schema"]
+    schema_: dict[str, JsonValue] = Field(
+        alias="schema",
+        description="JSON Schema of the answer (the subset the grammar backend, xgrammar, "
+        "compiles; bounded by the worker's structured_output limits)",
+    )
+
+
+class RegexFormat(_Frozen):
+    """The answer is one string matching `regex` (xgrammar's regex dialect: no lookaround)."""
+
+    type: Literal["regex"]
+    regex: Annotated[str, StringConstraints(min_length=1, max_length=16384)]
+
+
+class ChoiceFormat(_Frozen):
+    """The answer is exactly one of `choices`."""
+
+    type: Literal["choice"]
+    choices: list[Annotated[str, StringConstraints(min_length=1, max_length=1024)]] = Field(
+        min_length=1, max_length=1024
+    )
+
+
+#: Since 1.4. What the engine may produce, enforced token by token (vLLM structured outputs).
+ResponseFormat: TypeAlias = Annotated[
+    JsonSchemaFormat | RegexFormat | ChoiceFormat, Field(discriminator="type")
+]
+
+
 class Job(_Frozen):
     schema_version: Annotated[str, StringConstraints(pattern=VERSION_PATTERN)] = SCHEMA_VERSION
     job_id: JobId = Field(description="Producer-chosen idempotency key; results are keyed by it")
     prompt: Annotated[str, StringConstraints(max_length=16384)] | None = Field(
-        default=None, description="Instruction text; a default per media kind when absent"
+        default=None,
+        description="Instruction text; when absent, the task's prompt, else a default per media "
+        "kind",
+    )
+    task: TaskName | None = Field(
+        default=None,
+        description="A named task of the worker's config (prompt template and response_format), "
+        "e.g. caption, tags, summary, objects, ocr, safety; unknown: unknown_task. Since 1.4",
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="Constrain the answer (replaces the task's): a JSON Schema, a regex or a "
+        "choice list; the result's `json` holds a JSON answer parsed. Since 1.4",
     )
     media: list[MediaRef] = Field(min_length=1, max_length=MAX_MEDIA_PER_JOB)
     generation: GenerationParams = Field(default_factory=GenerationParams)
@@ -132,7 +186,8 @@ class Job(_Frozen):
     )
 
     def instruction(self, kinds: list[str]) -> str:
-        """The prompt to use once the media kinds are known (sniffed, not declared)."""
+        """The prompt to use once the media kinds are known (sniffed, not declared), for a job
+        without a task (the worker applies a task's prompt itself)."""
         if self.prompt:
             return self.prompt
         distinct = set(kinds)

@@ -82,9 +82,24 @@ class Timings(_Out):
 
 
 class Result(_Out):
+    # "json" is a BaseModel attribute: the field is `json_` in Python, "json" on the wire.
+    model_config = ConfigDict(
+        validate_by_name=True, validate_by_alias=True, serialize_by_alias=True
+    )
+
     schema_version: str = SCHEMA_VERSION
     job_id: str
     text: str
+    #: Added in 1.4.
+    task: str | None = Field(default=None, description="The task the job named, if any")
+    #: Added in 1.4.
+    json_: JsonValue = Field(
+        default=None,
+        alias="json",
+        description="The answer parsed, when the job or its task asked for a json_schema "
+        "response_format: it validates against that schema. null otherwise (free text, regex, "
+        "choice: the answer is `text`)",
+    )
     finish_reason: Literal["stop", "length", "abort"] | str
     model: str
     model_revision: str | None = None

@@ -20,6 +20,8 @@ import numpy as np
 from PIL import Image
 
 from mmworker.config import TINY_MODEL, EngineConfig
+from mmworker.engine import frontend
+from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.errors import EngineFatal, RequestFailed
 from preprocess.params import PreparedImage, PreparedVideo
 from schemas import GenerationParams
@@ -97,6 +99,11 @@ class Engine:
         else:
             # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if self._cfg.frontend_keep_heap or (
+            self._cfg.frontend_keep_heap is None and not _cpu_only()
+        ):
+            frontend.keep_heap()
+        frontend.processor_threads(self._cfg.processor_threads)
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -137,6 +144,11 @@ class Engine:
         }
         if cfg.enable_chunked_prefill is not None:
             kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
+        if cfg.renderer_threads is not None and cfg.renderer_threads > 1:
+            # vLLM's processor cache is not thread-safe and vLLM refuses it beside more renderer
+            # threads; the worker's own caches serve repeated media.
+            kwargs["renderer_num_workers"] = cfg.renderer_threads
+            kwargs["mm_processor_cache_gb"] = 0
         if _cpu_only():
             kwargs["enforce_eager"] = True if cfg.enforce_eager is None else cfg.enforce_eager
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
@@ -157,6 +169,7 @@ class Engine:
                 "ec_role": "ec_both",  # compute and save what is missing, load what is there
                 "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
             }
+        kwargs["structured_outputs_config"] = dict(ENGINE_STRUCTURED_OUTPUTS)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
         return kwargs
@@ -187,7 +200,10 @@ class Engine:
         instruction: str,
         items: list[EngineItem],
         params: GenerationParams,
+        guide: Guide | None = None,
     ) -> EngineOutput:
+        """`guide`: a constraint already checked (`guidance.GrammarChecker`); None leaves the
+        request exactly as an unguided one."""
         from vllm import SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -204,6 +220,7 @@ class Engine:
             seed=params.seed,
             stop=list(params.stop) or None,
             ignore_eos=params.ignore_eos,
+            **sampling_kwargs(guide),
         )
         self._enter()
         t0 = time.monotonic()
@@ -235,6 +252,11 @@ class Engine:
             output_tokens=len(choice.token_ids),
             engine_s=time.monotonic() - t0,
         )
+
+    def grammar_tokenizer(self) -> tuple[Any, int]:
+        """The tokenizer and vocabulary size the engine's grammar backend compiles against (the
+        model's vocabulary can be larger than the tokenizer's)."""
+        return self._tokenizer, int(self._llm.model_config.get_vocab_size())
 
     async def _render(self, prompt: dict[str, Any]) -> Any:
         """Render the prompt (tokens, multimodal processing) through vLLM's renderer ourselves:

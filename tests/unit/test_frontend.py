@@ -50,3 +50,20 @@ def test_processor_threads_set_omp_unless_the_user_did(monkeypatch: pytest.Monke
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     frontend.processor_threads(8)
     assert os.environ["OMP_NUM_THREADS"] == "2"
+
+
+def test_renderer_threads_turn_vllms_processor_cache_off() -> None:
+    """vLLM refuses more renderer threads beside its processor cache (not thread-safe), so the
+    setting must bring the cache's switch with it, and leave both alone when unset."""
+    from mmworker.config import EngineConfig
+    from mmworker.engine import Engine
+
+    plain = Engine(EngineConfig(), "m").engine_kwargs()
+    assert "renderer_num_workers" not in plain
+    assert plain["mm_processor_cache_gb"] == 0.5
+    threaded = Engine(EngineConfig(renderer_threads=6), "m").engine_kwargs()
+    assert threaded["renderer_num_workers"] == 6
+    assert threaded["mm_processor_cache_gb"] == 0
+    assert (
+        "renderer_num_workers" not in Engine(EngineConfig(renderer_threads=1), "m").engine_kwargs()
+    )
