@@ -247,7 +247,7 @@ def test_broker_command_serves_until_ctrl_c() -> None:
 
 def test_the_demo_shows_the_worker_not_vllm(tmp_path: Path) -> None:
     """`make demo` on a fresh machine: at most 25 lines before the first result, no vLLM INFO,
-    no leaked-semaphore warning at the end."""
+    no deprecation warning, no leaked-semaphore warning at the end."""
     env = _env({"XDG_CACHE_HOME": str(tmp_path / "cache")})
     started = time.monotonic()
     out = subprocess.run(
@@ -261,6 +261,8 @@ def test_the_demo_shows_the_worker_not_vllm(tmp_path: Path) -> None:
     assert first <= 25, "\n".join(lines[:first])
     assert not [ln for ln in lines if " INFO vllm" in ln or ln.startswith("(EngineCore")]
     assert not [ln for ln in lines if "leaked" in ln or "Traceback" in ln]
+    # vLLM's warning about raw prompts (and any other deprecation) is gone, not hidden above.
+    assert not [ln for ln in lines if "deprecat" in ln.lower()], out.stdout[-4000:]
     kept = Path(lines[-1].rpartition(": ")[2])
     assert lines[-1].startswith("kept the worker's directory") and (kept / "ball.mp4").is_file()
     assert time.monotonic() - started < 900

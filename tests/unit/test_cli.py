@@ -3,14 +3,18 @@ stderr naming the cause, the source of the setting and the fix, with exit code 2
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -21,6 +25,8 @@ from mmworker.errors import ConfigError
 from mmworker.metrics import Metrics
 from mmworker.samples import sample_image, sample_video
 from mmworker.tools import expand_sources, media_ref, summarise, unreadable_by_worker
+from tests import media_images as mi
+from tests import media_videos as mv
 
 ROOT = Path(__file__).parents[2]
 REFUSED_FIX = (
@@ -81,6 +87,79 @@ def test_submit_and_tail_help_show_every_option_with_its_default() -> None:
         assert expected in tail, expected
     broker = " ".join(choices["broker"].format_help().split())
     assert "--port PORT port on 127.0.0.1 (default: 9092)" in broker
+
+
+#: Each command, and what its --help must show: every option (and positional) it takes. A command
+#: added to the parser without an entry here fails test_every_command_is_covered_by_help_tests.
+HELP_SHOWS: dict[str, tuple[str, ...]] = {
+    "": ("COMMAND", "--version", "--debug", "run", "demo", "submit", "tail", "broker", "schema",
+         "config", "tiny-model"),
+    "run": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--group-id GROUP",
+            "--input-topic TOPIC", "--output-topic TOPIC", "--dead-letter-topic TOPIC",
+            "--model ID_OR_DIR", "--max-in-flight N", "--cache-dir DIR", "--metrics-port PORT",
+            "--worker-id NAME", "--processes N", "--set KEY=VALUE", "--create-topics PARTITIONS"),
+    "demo": ("--keep",),
+    "submit": ("PATH_OR_URL", "--config FILE", "--bootstrap-servers HOST:PORT[,...]",
+               "--set KEY=VALUE", "--topic TOPIC", "--prompt PROMPT", "--task NAME",
+               "--max-tokens N", "--temperature T", "--top-p P", "--seed N",
+               "--inline-max-bytes BYTES", "--repeat N"),
+    "tail": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--set KEY=VALUE",
+             "--topics TOPIC", "--follow, -f", "--from-now", "--timeout SECONDS", "--json"),
+    "broker": ("--port PORT", "--partitions N"),
+    "schema": ("{job,result,failure}",),
+    "config": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--group-id GROUP",
+               "--model ID_OR_DIR", "--processes N", "--set KEY=VALUE", "--reference"),
+    "tiny-model": ("directory", "--arch {tiny,3b}", "--seed SEED"),
+}  # fmt: skip
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"": parser, **sub.choices}
+
+
+def test_every_command_is_covered_by_help_tests() -> None:
+    assert sorted(_parsers()) == sorted(HELP_SHOWS)
+
+
+@pytest.mark.parametrize("command", list(HELP_SHOWS), ids=lambda c: c or "mmworker")
+def test_help_of_every_command(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*command.split(), "--help"])
+    captured = capsys.readouterr()
+    assert (exit_.value.code, captured.err) == (0, "")
+    text = captured.out
+    assert text.startswith(f"usage: mmworker {command}".rstrip() + " "), text
+    assert "-h, --help" in text
+    flat = " ".join(text.split())
+    for shown in HELP_SHOWS[command]:
+        assert shown in flat, shown
+    for action in _parsers()[command]._actions:  # nothing it accepts goes unmentioned
+        if action.help != argparse.SUPPRESS:
+            for flag in action.option_strings:
+                assert flag in flat, flag
+    # A metavar argparse made from a nested dest (kafka.bootstrap_servers -> dest
+    # kafka__bootstrap_servers) reads KAFKA__BOOTSTRAP_SERVERS: every such one needs a metavar.
+    usage = text.partition("\n\n")[0]
+    assert "__" not in usage, usage
+    assert not re.search(r"(?<![\w*])[A-Z][A-Z0-9]*__[A-Z0-9_]+", text), text
+
+
+def test_help_imports_no_engine_or_media_stack() -> None:
+    """--help answers at once: it must not import vLLM, torch or the media decoders."""
+    script = (
+        "import sys\nfrom mmworker.cli import main\n"
+        f"for command in {list(HELP_SHOWS)!r}:\n"
+        "    try:\n        main([*command.split(), '--help'])\n"
+        "    except SystemExit as e:\n        assert e.code == 0, (command, e.code)\n"
+        "heavy = ('vllm', 'torch', 'transformers', 'av', 'PIL', 'kafka', 'cv2')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
 
 
 # --- brokers: checked first, in one line ------------------------------------------------------
@@ -353,6 +432,34 @@ def test_directories_are_walked_by_content_not_by_name(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def test_phone_stills_and_old_containers_under_any_name_are_walked_in(tmp_path: Path) -> None:
+    """AVIF and HEIC from phones, ASF/WMV, Ogg and FLV from archives: found by their bytes
+    under a wrong suffix or none, and sendable when named one by one too."""
+    media = {
+        "IMG_0001.jpg": mi.avif(64, 48),  # AVIF named as a JPEG
+        "IMG_0002": mi.heic(64, 48),  # HEIC without a suffix
+        "lecture.mp4": mv.encode_video("wmv2"),  # ASF/WMV named as MP4
+        "nested/clip.dat": mv.encode_video("libvpx", container="ogg"),  # Ogg (VP8)
+        "nested/old/flash": mv.encode_video("flv"),  # FLV without a suffix
+    }
+    for name, data in media.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    # A real Ogg that is not a video: the walk must look inside, not pass every container.
+    voice = mv.encode_audio_only(fmt="ogg", codec="libopus")
+    (tmp_path / "nested" / "voice.ogv").write_bytes(voice)
+
+    walked = list(expand_sources([str(tmp_path)]))
+    found = {Path(s.name).relative_to(tmp_path).as_posix(): s.skip for s in walked}
+    assert found == {
+        **dict.fromkeys(media),
+        "nested/voice.ogv": "media is ogg without a video stream (streams: audio)",
+    }
+    assert not any(s.named for s in walked)
+    named = list(expand_sources([str(tmp_path / name) for name in media]))
+    assert [(s.skip, s.named) for s in named] == [(None, True)] * len(media)
+
+
 def test_a_large_file_outside_the_allowed_roots_says_how_to_fix_it(tmp_path: Path) -> None:
     big = tmp_path / "big.jpg"
     big.write_bytes(sample_image(seed=3))
@@ -378,6 +485,79 @@ def test_tail_names_a_record_by_the_source_submit_recorded() -> None:
     assert summarise("dlq", {"code": "invalid_json", "message": "m"}, b"k") == (
         "[dlq] FAILED k: invalid_json: m"
     )
+
+
+def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    clean_env: None,
+) -> None:
+    """The deployment's SASL_SSL settings (file, secret from the environment, --set) reach the
+    kafka-python clients of submit and tail, and the broker check before them."""
+    import mmworker.kafka_io
+    import mmworker.tools
+    from mmworker.config import KafkaConfig
+    from tests.unit.loopkit import Producer
+
+    example = ROOT / "deploy" / "mmworker.example.toml"
+    monkeypatch.setenv("MMWORKER_KAFKA__SASL_PASSWORD", "from-a-secret")
+    mutual_tls = ["--set", "kafka.ssl_certfile=/etc/mmworker/client.pem",
+                  "--set", "kafka.ssl_keyfile=/etc/mmworker/client.key",
+                  "--set", "kafka.ssl_password=key-pass"]  # fmt: skip
+    expected = {
+        "bootstrap_servers": ["kafka-0.kafka:9092", "kafka-1.kafka:9092"],
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-512",
+        "sasl_plain_username": "mmworker",
+        "sasl_plain_password": "from-a-secret",
+        "ssl_cafile": "/etc/mmworker/ca.pem",
+        "ssl_certfile": "/etc/mmworker/client.pem",
+        "ssl_keyfile": "/etc/mmworker/client.key",
+        "ssl_password": "key-pass",
+    }
+    checked: list[object] = []
+    monkeypatch.setattr(mmworker.kafka_io, "check_brokers",
+                        lambda cfg, timeout_s, source: checked.append(cfg))  # fmt: skip
+    clients: dict[str, dict[str, object]] = {}
+    producer = Producer()
+
+    def make_producer(**kwargs: object) -> Producer:
+        clients["producer"] = kwargs
+        return producer
+
+    class Consumer:
+        def __init__(self, *topics: str, **kwargs: object) -> None:
+            clients["consumer"] = kwargs
+            self.subscribed = set(topics)
+
+        def topics(self) -> set[str]:
+            return self.subscribed
+
+        def __iter__(self) -> Any:
+            value = json.dumps({"job_id": "j1", "text": "a cat", "media": [{"kind": "image"}]})
+            yield SimpleNamespace(topic="mmworker.results", key=b"j1", value=value.encode())
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(mmworker.tools, "KafkaProducer", make_producer)
+    monkeypatch.setattr(mmworker.tools, "KafkaConsumer", Consumer)
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(sample_image(seed=2))
+
+    assert main(["submit", "--config", str(example), *mutual_tls, str(photo)]) == 0
+    assert main(["tail", "--config", str(example), *mutual_tls]) == 0
+
+    for name in ("producer", "consumer"):
+        given = {key: clients[name].get(key) for key in expected}
+        assert given == expected, name
+    assert [topic for topic, _, _ in producer.sent] == ["mmworker.jobs"]
+    assert "[mmworker.results] j1 [image]: 'a cat'" in capsys.readouterr().out
+    assert len(checked) == 2
+    for cfg in checked:  # the broker check before them speaks the same protocol
+        assert isinstance(cfg, KafkaConfig)
+        assert {key: cfg.client_kwargs().get(key) for key in expected} == expected
 
 
 # --- logging policy ----------------------------------------------------------------------------

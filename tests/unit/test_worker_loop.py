@@ -5,6 +5,7 @@ here each rule is pinned down exactly and fast."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from kafka.errors import MessageSizeTooLargeError
 
 from mmworker.errors import EngineFatal
 from mmworker.exits import ExitCode
+from mmworker.jobs import JobRunner
 from mmworker.offsets import TopicPartition
 from mmworker.suspects import suspect_key
 from schemas import SourceCoords
@@ -271,3 +273,36 @@ def test_shutdown_grace_expiry_is_reported(caplog: pytest.LogCaptureFixture) -> 
     assert code == ExitCode.OK
     assert "abandoning 2 jobs" in caplog.text
     assert consumer.commits == []
+
+
+def test_each_dead_lettered_job_is_one_warning_naming_its_offset_and_code(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator reading the log sees every dead-lettered job once, with where it came from
+    and why, without reading the dead-letter topic."""
+    consumer = Consumer({0: 3})
+    consumer.logs[P0][1].value = b"{not json"
+
+    async def behave(_s: SourceCoords) -> None:
+        return None
+
+    worker, runner, producer, _, _ = make_worker(consumer, behave)
+    scripted = runner._run
+
+    async def run_or_parse(raw: bytes | None, ctx: Any, ts: int, isolated: bool) -> Any:
+        if raw == b"{not json":  # the real path: parse_job refuses it before any engine step
+            return await JobRunner._run(runner, raw, ctx, ts, isolated)
+        return await scripted(raw, ctx, ts, isolated)
+
+    monkeypatch.setattr(runner, "_run", run_or_parse)
+    with caplog.at_level(logging.INFO, logger="mmworker"):
+        code = asyncio.run(run_until(worker, lambda: consumer.committed() == {P0: 3}))
+
+    assert code == ExitCode.OK
+    assert failure_codes(producer) == [ErrorCode.INVALID_JSON]
+    assert len(producer.on(OUTPUT)) == 2
+    lines = [r for r in caplog.records if "dead-lettered" in r.getMessage()]
+    assert [(r.name, r.levelno) for r in lines] == [("mmworker.worker", logging.WARNING)]
+    line = lines[0].getMessage()
+    assert "partition=0" in line and "offset=1" in line and "code=invalid_json" in line, line
+    assert "not JSON" in line, line  # the failure's message, not only its code
