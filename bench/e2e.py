@@ -106,6 +106,8 @@ class Options:
     work_dir: Path | None = None
     #: Take raw, naive and earlier worker passes from this report instead of running them.
     peers_from: Path | None = None
+    #: A `bench/peers/serve.py` report (vllm serve, N API servers) to hold the worker against too.
+    serve_from: Path | None = None
     timeout_s: float = 1800.0
 
 
@@ -190,6 +192,12 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
         default=d.peers_from,
         help="reuse raw/naive/raw ×N (and earlier passes) from this JSON report: split runs'"
         " table; raw ×N still runs when the report has none for this N (unless --skip-raw)",
+    )
+    p.add_argument(
+        "--serve-from",
+        type=Path,
+        default=d.serve_from,
+        help="a bench/peers/serve.py report: its rows join the peers and the best-peer base",
     )
     p.add_argument("--timeout-s", type=float, default=d.timeout_s)
     p.add_argument("--peers-spec", type=Path, help=argparse.SUPPRESS)  # internal: child mode
@@ -363,6 +371,10 @@ def run(opts: Options) -> dict[str, Any]:
             earlier = json.loads(opts.peers_from.read_text())
             report["peers"] = {**earlier.get("peers", {}), "from": str(opts.peers_from)}
             report["worker"].update(earlier.get("worker", {}))
+        if opts.serve_from is not None:
+            served = json.loads(opts.serve_from.read_text())
+            report["peers"]["serve"] = {k: served[k] for k in ("image", "video") if k in served}
+            report["peers"]["serve"]["from"] = str(opts.serve_from)
         elif not (opts.skip_raw and opts.skip_naive):
             try:
                 report["peers"] = run_peers(
@@ -980,8 +992,9 @@ def naive_loop(
 
 
 def best_peers(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per kind, the row every other row is divided by: the faster of "raw" (one engine, median
-    run) and "raw ×N engines" (N plain engines on the same GPU). The worker is a way to run N
+    """Per kind, the row every other row is divided by: the fastest of "raw" (one engine, median
+    run), "raw ×N engines" (N plain engines on the same GPU) and, when given, `vllm serve` with N
+    API servers (`--serve-from`). The worker is a way to run N
     engines, so it must beat what a user gets by simply starting N; "raw hot" is never the base:
     its caches are hot, which no new process is.
     """
@@ -997,6 +1010,7 @@ def cold_raw_rows(report: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     rows = (
         ((peers.get("raw") or {}).get(kind) or {}).get("raw"),
         (peers.get("raw_engines") or {}).get(kind),
+        (peers.get("serve") or {}).get(kind),
     )
     return [row for row in rows if row and row.get("jobs_per_s")]
 
@@ -1023,6 +1037,8 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
                 rows.append(dict(single[label]))
         if many:
             rows.append({k: v for k, v in many.items() if k != "per_engine"})
+        if served := (peers.get("serve") or {}).get(kind):
+            rows.append(dict(served))
         if naive:
             rows.append(dict(naive))
         for doc in (report.get("worker") or {}).values():
