@@ -13,6 +13,7 @@ from mmworker import lifeline, logs
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
+from mmworker.engine.shared_core import CoreLink
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import MediaStage, lower_thread_priority
@@ -91,14 +92,16 @@ def run_worker(
     create_topics: int | None = None,
     ready: Callable[[], object] | None = None,
     go: Callable[[], object] | None = None,
+    core: CoreLink | None = None,
 ) -> int:
     """Start everything, consume until stopped, tear down; returns the process exit code.
 
     `ready` is called once the engine is up and `go` (blocking) before the first poll: the
     hooks `mmworker.processes` uses to start several engines one at a time and then consume.
+    `core`: attach to the supervisor's shared engine core instead of starting an engine.
     """
     logs.quiet_libraries(cfg.log_level)  # before vLLM starts: its processes read it at start
-    return asyncio.run(_serve(cfg, create_topics, ready, go))
+    return asyncio.run(_serve(cfg, create_topics, ready, go, core))
 
 
 async def _serve(
@@ -106,6 +109,7 @@ async def _serve(
     create_topics: int | None,
     ready: Callable[[], object] | None,
     go: Callable[[], object] | None,
+    core: CoreLink | None = None,
 ) -> int:
     # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
     metrics = Metrics()
@@ -132,7 +136,10 @@ async def _serve(
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
         engine = Engine(
-            cfg.engine, resolve_model(cfg.engine.model, model_cache_dir()), encoder_store=store
+            cfg.engine,
+            resolve_model(cfg.engine.model, model_cache_dir()),
+            encoder_store=store,
+            core=core,
         )
         engine.start()
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)

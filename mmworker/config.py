@@ -232,6 +232,12 @@ class EngineConfig(_Section):
         "processor cache is turned off (vLLM refuses both); the feature cache and encoder store "
         "serve repeats. Unset: 1",
     )
+    shared_core: bool = Field(
+        False,
+        description="With processes > 1: every worker process is a front end of ONE vLLM engine "
+        "core (one copy of the weights, one scheduler over the whole KV cache), as `vllm serve "
+        "--api-server-count` runs, instead of each starting an engine of its own",
+    )
     extra: dict[str, JsonValue] = Field(
         default_factory=dict, description="Any other vLLM engine argument, passed through"
     )

@@ -24,8 +24,11 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from types import FrameType
+from typing import Any
 
+from mmworker import lifeline
 from mmworker.config import WorkerConfig
+from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.lifeline import die_with_parent
@@ -40,11 +43,14 @@ EXIT_OK, EXIT_ENGINE_DEAD, EXIT_START_FAILED = (
 
 
 def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
-    """The settings of child `index`: an equal share of the GPU memory and of the CPU pool."""
+    """The settings of child `index`: an equal share of the GPU memory (unless they share one
+    engine core, which gets all of it) and of the CPU pool."""
     n = cfg.processes
-    engine = cfg.engine.model_copy(
-        update={"gpu_memory_utilization": cfg.engine.gpu_memory_utilization / n}
-    )
+    engine = cfg.engine
+    if not engine.shared_core:
+        engine = engine.model_copy(
+            update={"gpu_memory_utilization": engine.gpu_memory_utilization / n}
+        )
     preprocess = cfg.preprocess
     if "workers" not in preprocess.model_fields_set:  # the default is per host: split it
         preprocess = preprocess.model_copy(update={"workers": max(1, preprocess.workers // n)})
@@ -87,6 +93,12 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
                 os.kill(child.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    if cfg.engine.shared_core:
+        try:
+            return _run_shared(cfg, ctx, go, children, lambda: stopping)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     try:
         for index in range(cfg.processes):
             ready = ctx.Event()
@@ -111,6 +123,50 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _run_shared(
+    cfg: WorkerConfig,
+    ctx: Any,
+    go: Event,
+    children: list[BaseProcess],
+    stopping: Callable[[], bool],
+) -> int:
+    """`engine.shared_core`: this process launches one engine core, the children attach to it
+    as its front ends (all at once: there is one KV cache to size, not N). The core is stopped
+    after the children, so every drained job still had its engine."""
+    from mmworker.app import encoder_store_dir, model_cache_dir
+    from mmworker.engine import Engine, engine_process_env, resolve_model, shared_core
+
+    engine_process_env()
+    lifeline.arm()  # the engine core leaves our process group and dies with this process
+    model = resolve_model(cfg.engine.model, model_cache_dir())
+    kwargs = Engine(cfg.engine, model, encoder_store=encoder_store_dir(cfg)).engine_kwargs()
+    readies: list[Event] = []
+
+    def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:
+        for index, link in enumerate(links):
+            ready = ctx.Event()
+            child = ctx.Process(
+                target=_child_main,
+                args=(child_config(cfg, index), ready, go, link),
+                name=f"mmworker-{index}",
+            )
+            child.start()
+            children.append(child)
+            readies.append(ready)
+        return children
+
+    grace = cfg.limits.shutdown_grace_s + 60
+    with shared_core.launch(kwargs, cfg.processes, start_clients):
+        for index, (child, ready) in enumerate(zip(children, readies, strict=True)):
+            if not _wait_ready(child, ready) or stopping():
+                log.error("worker process %d did not start (exit %s)", index, child.exitcode)
+                _terminate(children, go, grace)
+                return combined_exit_code([c.exitcode for c in children]) or EXIT_START_FAILED
+        log.info("%d worker processes ready on one engine core: consuming", len(children))
+        go.set()
+        return _supervise(children, stopping, lambda: _terminate(children, go, grace))
 
 
 def _wait_ready(child: BaseProcess, ready: Event) -> bool:
@@ -158,7 +214,7 @@ def _as_exit_code(code: int | None) -> int:
     return 128 - code if code < 0 else code  # multiprocessing reports death by signal N as -N
 
 
-def _child_main(cfg: WorkerConfig, ready: Event, go: Event) -> None:
+def _child_main(cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | None = None) -> None:
     """Entry of a spawned child: its own session, so a terminal's Ctrl-C reaches it only once
     (through the parent), and tied to the parent's life, so a killed supervisor leaves no orphan
     consumers behind (as a container runtime would kill them all)."""
@@ -173,7 +229,7 @@ def _child_main(cfg: WorkerConfig, ready: Event, go: Event) -> None:
     )
     logging.getLogger("kafka").setLevel(logging.WARNING)
     try:
-        code = run_worker(cfg, ready=ready.set, go=go.wait)
+        code = run_worker(cfg, ready=ready.set, go=go.wait, core=core)
     except Interrupted:
         code = ExitCode.OK
     exit_now(code)

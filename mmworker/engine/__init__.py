@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from mmworker.config import TINY_MODEL, EngineConfig
-from mmworker.engine import frontend
+from mmworker.engine import frontend, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.errors import EngineFatal, RequestFailed
 from preprocess.params import PreparedImage, PreparedVideo
@@ -72,9 +72,15 @@ class Engine:
     """Explicit lifecycle: `start()` loads the model, `shutdown()` frees it."""
 
     def __init__(
-        self, cfg: EngineConfig, model_path: str, encoder_store: Path | None = None
+        self,
+        cfg: EngineConfig,
+        model_path: str,
+        encoder_store: Path | None = None,
+        core: shared_core.CoreLink | None = None,
     ) -> None:
+        """`core`: attach to a shared engine core (`engine.shared_core`) instead of starting one."""
         self._cfg = cfg
+        self._core = core
         self.model_path = model_path
         self._encoder_store = encoder_store
         self._llm: Any = None
@@ -85,20 +91,7 @@ class Engine:
         self.busy_s = 0.0
 
     def start(self) -> None:
-        if _cpu_only():
-            # AsyncLLM keeps its engine core in a process of its own either way; on CPU this flag
-            # only stops vLLM from adding a further model-runner process whose shared-memory queue
-            # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # Read by the engine core when it starts (bench/soak.py, 20,000 jobs): glibc otherwise
-            # keeps freed tensor memory in its heaps (about as much again as vLLM's processor
-            # cache), and oneDNN keeps up to 1,024 compiled kernels, one per new input shape.
-            # Not set on GPUs, where their cost was not measured. A value set by the user wins.
-            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
-        else:
-            # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        engine_process_env()
         if self._cfg.frontend_keep_heap or (
             self._cfg.frontend_keep_heap is None and not _cpu_only()
         ):
@@ -109,12 +102,15 @@ class Engine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**self.engine_kwargs())
         t0 = time.monotonic()
-        # A batch worker wants vLLM's offline batch limits (max_num_seqs, max_num_batched_tokens
-        # sized for throughput, e.g. 1,024 / 16,384 on an H200), not the smaller server defaults
-        # AsyncLLM picks for an interactive engine.
-        self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        if self._core is not None:
+            self._llm = shared_core.attach(self.engine_kwargs(), self._core)
+        else:
+            # A batch worker wants vLLM's offline batch limits (max_num_seqs,
+            # max_num_batched_tokens sized for throughput, e.g. 1,024 / 16,384 on an H200), not
+            # the smaller server defaults AsyncLLM picks for an interactive engine.
+            args = AsyncEngineArgs(**self.engine_kwargs())
+            self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, revision=self._cfg.model_revision
         )
@@ -295,6 +291,26 @@ class Engine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def engine_process_env() -> None:
+    """Environment that vLLM's engine-core processes read when they start: set in the process
+    that starts them (a worker, or the supervisor of a shared core). A value set by the user
+    wins."""
+    if _cpu_only():
+        # AsyncLLM keeps its engine core in a process of its own either way; on CPU this flag
+        # only stops vLLM from adding a further model-runner process whose shared-memory queue
+        # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Read by the engine core when it starts (bench/soak.py, 20,000 jobs): glibc otherwise
+        # keeps freed tensor memory in its heaps (about as much again as vLLM's processor
+        # cache), and oneDNN keeps up to 1,024 compiled kernels, one per new input shape.
+        # Not set on GPUs, where their cost was not measured.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
+    else:
+        # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 @lru_cache(maxsize=1)

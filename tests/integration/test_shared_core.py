@@ -1,0 +1,97 @@
+"""`engine.shared_core`: two real workers as front ends of ONE real vLLM engine core."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mmworker.broker import EmbeddedBroker
+from mmworker.samples import sample_image
+from schemas import GenerationParams, Job, MediaRef
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    make_topics,
+    post,
+    wait_committed,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _tree(pid: int) -> list[tuple[int, str]]:
+    """(pid, command) of `pid` and every descendant, from ps."""
+    rows = subprocess.run(
+        ["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    procs = {}
+    for row in rows:
+        p, pp, args = row.split(None, 2) if len(row.split(None, 2)) == 3 else (*row.split(), "")
+        procs[int(p)] = (int(pp), args)
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for p, (pp, args) in procs.items():
+            if pp == parent:
+                found.append((p, args))
+                frontier.append(p)
+    return found
+
+
+def test_two_workers_feed_one_engine_core_and_drain_on_sigterm(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    topics = make_topics(broker.bootstrap, "shared")
+    group = f"shared-{uuid.uuid4().hex[:6]}"
+    posted = Posted()
+    jobs = []
+    for i in range(24):
+        job = Job(
+            job_id=f"s-{i}",
+            media=[MediaRef(data=sample_image(seed=100 + i))],
+            generation=GenerationParams(max_tokens=8),
+        )
+        jobs.append((job.job_id, job.model_dump_json().encode()))
+    post(broker.bootstrap, topics["input"], jobs, posted)
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    extra = {"processes": 2, "engine.shared_core": True, "worker_id": "pair"}
+    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra) as worker:
+        ids = {key for key, _ in jobs}
+        collector.wait_for(ids, 300, worker)
+        answered_by = set()
+        for job_id in ids:
+            topic, doc = collector.one(job_id)  # exactly one record per job
+            assert topic == topics["output"], doc
+            assert doc["usage"]["output_tokens"] == 8, doc
+            answered_by.add(doc["worker_id"])
+        assert answered_by == {"pair-0", "pair-1"}, worker.log()
+        assert worker.proc is not None
+        tree = _tree(worker.proc.pid)
+        cores = [p for p, args in tree if "EngineCore" in args]
+        # One engine core for both workers: the point of the setting.
+        assert len(cores) == 1, tree
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(120) == 0, worker.log()
+        log = worker.log()
+        assert "2 worker processes ready on one engine core" in log, log
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p, _ in tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p, _ in tree if _alive(p)], tree
+    got = wait_committed(broker.bootstrap, group, topics["input"], posted.ends(), timeout=20)
+    assert got == posted.ends()
+    collector.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
