@@ -16,7 +16,7 @@ from mmworker.engine import Engine, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
-from mmworker.media import MediaStage, lower_thread_priority
+from mmworker.media import DecodePool, MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
 from mmworker.worker import Worker
 from preprocess.prepare import warm_up
@@ -116,11 +116,15 @@ async def _serve(
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port)
     cache = make_cache(cfg)
-    # spawn: pool processes must not inherit the engine's threads or CUDA state.
-    cpu_pool = ProcessPoolExecutor(
+    # spawn: pool processes must not inherit the engine's threads or CUDA state. A DecodePool
+    # replaces the pool when one of its processes dies (mmworker.media.DecodePool).
+    cpu_pool = DecodePool(
+        lambda workers: ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=lifeline.pool_child,
+        ),
         cfg.preprocess.workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=lifeline.pool_child,
     )
     io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
     writer = ThreadPoolExecutor(1, "cache-write", initializer=lower_thread_priority)
@@ -131,7 +135,7 @@ async def _serve(
     if store is not None:
         pruning = asyncio.create_task(_prune_forever(store, cfg.cache.encoder_max_bytes, io_pool))
     try:
-        warming = [cpu_pool.submit(warm_up) for _ in range(cfg.preprocess.workers)]
+        warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us

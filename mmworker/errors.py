@@ -26,6 +26,13 @@ class EngineFatal(WorkerError):
     code = ErrorCode.ENGINE_ERROR
 
 
+class PreprocessPoolDead(WorkerError):
+    """The preprocessing processes die even with no media to decode (they cannot start, or are
+    killed at once): rebuilding their pool does not help, and refusing every job's media for it
+    would dead-letter the stream. Like an unexpected error, it stops the worker uncommitted
+    (exit 5) for its orchestrator to restart it."""
+
+
 class EngineCrash(WorkerError):
     """The job was inside the engine at `limits.max_engine_deaths` deaths: a query of death.
     Running it again would kill the engine of whichever worker takes its partition next."""

@@ -23,6 +23,7 @@ from mmworker.errors import (
     ForbiddenReplyTopic,
     InvalidResponseFormat,
     JobTimeout,
+    PreprocessPoolDead,
     PublishRefused,
     TooManyMedia,
     VisualBudgetExceeded,
@@ -129,7 +130,7 @@ class JobRunner:
                     self._attempt(job, ctx, broker_ts_ms, isolated), timeout=timeout
                 )
                 return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
-            except EngineFatal:
+            except (EngineFatal, PreprocessPoolDead):
                 raise
             except TimeoutError:
                 what = "job" if timeout < limits.job_timeout_s else "attempt"

@@ -2,12 +2,14 @@
 
 Fetching is I/O and runs in threads; decoding and resizing hold the GIL and run in processes, so
 neither stalls the event loop that keeps the engine fed. A job whose media all hit the cache costs
-one hash and one zstd decode per item.
+one hash and one zstd decode per item. A decoder process that dies (a segfault in a decoder, the
+kernel's OOM killer) costs the pool one rebuild, not the worker its decoding: see `DecodePool`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -15,15 +17,19 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Executor
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import BrokenExecutor, Executor, Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 from mmworker.cache import FeatureCache, make_key
 from mmworker.config import PreprocessConfig
+from mmworker.errors import PreprocessPoolDead
+from preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
 from preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
 from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from preprocess.prepare import prepare_media
+from preprocess.prepare import prepare_media, warm_up
 from preprocess.sniff import sniff
 from preprocess.tokens import image_tokens, video_tokens
 from schemas import Job, MediaRef
@@ -32,6 +38,11 @@ log = logging.getLogger(__name__)
 
 #: Prepared media waiting for the cache writer; beyond this, new items are not cached.
 MAX_PENDING_WRITE_BYTES = 1 << 30
+#: Feature keys whose decode killed a process on its own, remembered so that a repeat of one is
+#: decoded alone at once rather than breaking the shared pool (and its other decodes) again.
+MAX_REMEMBERED_CRASHES = 1024
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +77,154 @@ class TokenBudget:
 class _SharedDecode:
     future: asyncio.Future[PreparedImage | PreparedVideo]
     waiters: int = 0
+    #: Its last waiter left and cancelled it: a task stays not-`cancelled()` until it has run
+    #: once more, and a job joining it meanwhile would be cancelled with it.
+    abandoned: bool = False
+
+
+class DecodePool:
+    """The processes media is decoded in, and what is done when one of them dies.
+
+    A process killed while it decodes (a decoder segfault, the kernel's OOM killer, an operator's
+    `kill`) breaks a `ProcessPoolExecutor` for good: every call in it fails with
+    `BrokenProcessPool`, and so would every later one, while the worker looked healthy. Here the
+    pool is replaced by `factory(workers)` as soon as a call sees the break, and each decode caught
+    in it is run again alone (`run_alone`: one process, one call at a time), so that an innocent
+    one still gets its result and only one that kills a process on its own is refused. At most
+    `workers + 1` calls are in the pool at once (what its processes and call queue hold anyway):
+    a break can catch no more than those, and the rest wait here, unsubmitted, for the new pool.
+
+    `DecodePool.fixed(executor)` wraps a pool it cannot rebuild (thread pools in tests): calls go
+    straight through and a break is the caller's error, as with a bare executor.
+    """
+
+    def __init__(self, factory: Callable[[int], Executor] | None, workers: int, *,
+                 executor: Executor | None = None) -> None:  # fmt: skip
+        self._factory = factory
+        self.workers = workers
+        self.executor = executor if executor is not None else self._make(workers)
+        #: The one-process pool suspects are decoded in, started at the first break.
+        self._alone: Executor | None = None
+        #: (loop, places in the shared pool, the place in the alone pool): see `_slots`.
+        self._limits: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore, asyncio.Semaphore] | None
+        self._limits = None
+        #: Pools replaced since start: each is a process that died under a decode or between.
+        self.rebuilds = 0
+
+    @classmethod
+    def fixed(cls, executor: Executor) -> DecodePool:
+        return cls(None, 0, executor=executor)
+
+    @property
+    def rebuildable(self) -> bool:
+        return self._factory is not None
+
+    def _make(self, workers: int) -> Executor:
+        assert self._factory is not None
+        return self._factory(workers)
+
+    def _slots(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore]:
+        """(calls the shared pool may hold, calls the alone pool may hold), for the running loop
+        (a semaphore is bound to the loop it first waits in; tests run several loops)."""
+        loop = asyncio.get_running_loop()
+        if self._limits is None or self._limits[0] is not loop:
+            self._limits = (loop, asyncio.Semaphore(self.workers + 1), asyncio.Semaphore(1))
+        return self._limits[1], self._limits[2]
+
+    async def run(self, fn: Callable[..., _T], *args: object) -> _T:
+        """`fn(*args)` in the shared pool. Raises `BrokenExecutor` if the pool broke under it
+        (the pool is replaced by then: the caller decides whether to run it again alone)."""
+        loop = asyncio.get_running_loop()
+        if not self.rebuildable:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        slots, _ = self._slots()
+        await slots.acquire()
+        try:
+            executor = self.executor
+            try:
+                call = executor.submit(fn, *args)
+            except BrokenExecutor:
+                # It broke between calls (a process killed while idle): nothing of this one ran.
+                self.replace(executor)
+                executor = self.executor
+                call = executor.submit(fn, *args)
+        except BaseException:
+            slots.release()
+            raise
+        _when_done(call, loop, slots.release)
+        try:
+            return await asyncio.wrap_future(call)
+        except BrokenExecutor:
+            self.replace(executor)
+            raise
+
+    async def run_alone(self, fn: Callable[..., _T], *args: object) -> _T:
+        """`fn(*args)` alone in a one-process pool: one call at a time, each until its process
+        is done with it (also when its caller gave up), so a break there is this call's doing.
+        Raises `BrokenExecutor` if its process died."""
+        loop = asyncio.get_running_loop()
+        _, slot = self._slots()
+        await slot.acquire()
+        try:
+            executor = self._alone or self._make(1)
+            try:
+                call = executor.submit(fn, *args)
+            except BrokenExecutor:  # its process was killed while idle: nothing of this ran
+                executor.shutdown(wait=False, cancel_futures=True)
+                executor = self._make(1)
+                call = executor.submit(fn, *args)
+            self._alone = executor
+        except BaseException:
+            slot.release()
+            raise
+        _when_done(call, loop, slot.release)
+        try:
+            return await asyncio.wrap_future(call)
+        except BrokenExecutor:
+            if self._alone is executor:
+                self._alone = None
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    async def healthy(self) -> bool:
+        """Whether a fresh process can run a trivial call (the imports decoding needs)."""
+        try:
+            await self.run_alone(warm_up)
+        except BrokenExecutor:
+            return False
+        return True
+
+    def replace(self, broken: Executor) -> None:
+        """A new shared pool for `broken`, once: every call caught in one break reports it."""
+        if self.executor is not broken:
+            return
+        self.executor = self._make(self.workers)
+        self.rebuilds += 1
+        broken.shutdown(wait=False, cancel_futures=True)
+        log.error(
+            "a preprocessing process died; its pool is replaced (%d time(s) since start) and "
+            "the decodes it held run again one at a time",
+            self.rebuilds,
+        )
+
+    def shutdown(self, *, wait: bool = True, cancel_futures: bool = False) -> None:
+        for executor in (self.executor, self._alone):
+            if executor is not None:
+                executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _when_done(
+    call: Future[_T], loop: asyncio.AbstractEventLoop, then: Callable[[], object]
+) -> None:
+    """`then()` in `loop` once `call` is done in its pool (not when its awaiter is cancelled:
+    a call already running goes on, and still holds its place)."""
+
+    def done(_: Future[_T]) -> None:
+        # A closed loop (the worker stopped) has nobody waiting for the place any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(then)
+
+    call.add_done_callback(done)
 
 
 class MediaStage:
@@ -73,7 +232,7 @@ class MediaStage:
         self,
         cfg: PreprocessConfig,
         cache: FeatureCache,
-        cpu_pool: Executor,
+        cpu_pool: Executor | DecodePool,
         io_pool: Executor,
         min_image_pixels_cached: int = 0,
         writer: Executor | None = None,
@@ -93,8 +252,10 @@ class MediaStage:
         self._writer = writer or io_pool
         self._policy = cfg.fetch_policy()
         self._cache = cache
-        self._cpu_pool = cpu_pool
+        self._decoder = cpu_pool if isinstance(cpu_pool, DecodePool) else DecodePool.fixed(cpu_pool)
         self._io_pool = io_pool
+        #: Keys that killed a process decoding alone (`_decode_alone`), oldest first.
+        self._crashed: OrderedDict[str, None] = OrderedDict()
 
     async def prepare(
         self, job: Job, budgets: Sequence[TokenBudget] | None = None
@@ -171,10 +332,9 @@ class MediaStage:
         """
         shared = self._decoding.get(key)
         # A cancelled one stays listed until its done-callback runs: never join it.
-        joined = shared is not None and not shared.future.cancelled()
+        joined = shared is not None and not (shared.abandoned or shared.future.cancelled())
         if shared is None or not joined:
-            loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._cpu_pool, prepare_media, data, image, video)
+            future = asyncio.ensure_future(self._decode_once(key, data, image, video))
             entry = shared = self._decoding[key] = _SharedDecode(future)
 
             def forget(fut: asyncio.Future[PreparedImage | PreparedVideo]) -> None:
@@ -189,8 +349,59 @@ class MediaStage:
             return await asyncio.shield(shared.future), joined
         finally:
             shared.waiters -= 1
-            if shared.waiters == 0:
-                shared.future.cancel()  # no-op once done
+            if shared.waiters == 0 and not shared.future.done():
+                shared.abandoned = True
+                shared.future.cancel()
+
+    async def _decode_once(
+        self, key: str, data: bytes, image: ImageParams, video: VideoParams
+    ) -> PreparedImage | PreparedVideo:
+        """The decode, in the shared pool; if a process of it died meanwhile, alone."""
+        if key not in self._crashed:
+            try:
+                return await self._decoder.run(prepare_media, data, image, video)
+            except BrokenExecutor:
+                if not self._decoder.rebuildable:
+                    raise
+                log.warning(
+                    "a preprocessing process died while this decode was in its pool (key %s): "
+                    "decoding it again alone",
+                    key[:16],
+                )
+        return await self._decode_alone(key, data, image, video)
+
+    async def _decode_alone(
+        self, key: str, data: bytes, image: ImageParams, video: VideoParams
+    ) -> PreparedImage | PreparedVideo:
+        """A suspect's decode in a process of its own: its result if it was innocent; if the
+        process dies again with only this decode in it, the media is what kills it, and is
+        refused like other media that cannot be decoded (not retryable: it would kill again)."""
+        try:
+            return await self._decoder.run_alone(prepare_media, data, image, video)
+        except BrokenExecutor as exc:
+            died = exc
+        if not await self._decoder.healthy():
+            raise PreprocessPoolDead(
+                "preprocessing processes die even without media to decode (they cannot start, "
+                f"or are killed at once): {died}"
+            ) from died
+        self._crashed[key] = None
+        self._crashed.move_to_end(key)
+        while len(self._crashed) > MAX_REMEMBERED_CRASHES:
+            self._crashed.popitem(last=False)
+        try:
+            kind = sniff(data).kind
+        except PreprocessError:
+            kind = "video"
+        refused = UndecodableImage if kind == "image" else UndecodableVideo
+        log.error(
+            "media (key %s) killed the %s decoder's process on its own: refused", key[:16], kind
+        )
+        raise refused(
+            f"the {kind} decoder's process died decoding this media, also alone in a process "
+            "of its own (a crash in the decoder, or memory exhaustion); not retried, as it "
+            "would die again"
+        ) from died
 
     def _acquire(
         self, ref: MediaRef, image: ImageParams, video: VideoParams, handle: FetchHandle
