@@ -1,4 +1,4 @@
-"""`mmworker` command line: run, demo, submit, tail, broker, schema, config, tiny-model.
+"""`mmworker` command line: run a worker, post jobs and backfills, replay failures, read results.
 
 What a person meets first has to explain itself: every expected failure (a configuration mistake,
 brokers out of reach, a model that is not there) ends in one line on stderr that names the cause,
@@ -357,6 +357,32 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return submit(args, cfg)
 
 
+def cmd_backfill(args: argparse.Namespace) -> int:
+    from mmworker.backfill import backfill, manifest_kind, output_format
+    from mmworker.tools import check_sampling
+
+    cfg = _load(args)
+    check_sampling(args)
+    if args.window < 1:
+        raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
+    manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
+    output_format(args.out, args.format)
+    _check_brokers(cfg, args)
+    return backfill(args, cfg)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from mmworker.replay import parse_codes, parse_when, replay
+
+    cfg = _load(args)
+    parse_codes(args.code)  # mistakes first, before the brokers are reached
+    for when in (args.since, args.until):
+        if when:
+            parse_when(when)
+    _check_brokers(cfg, args)
+    return replay(args, cfg)
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     from mmworker.tools import tail
 
@@ -375,6 +401,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from mmworker.demo import run_demo
 
     return run_demo(keep_going=args.keep)
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    """The job settings `submit` and `backfill` share."""
+    p.add_argument("--prompt", help="instruction; the task's, or a default per media kind")
+    p.add_argument(
+        "--task", metavar="NAME",
+        help="a task of the worker's config (caption, tags, summary, objects, ocr, safety, or "
+        "one it adds): its prompt and response_format",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="longest caption")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 is greedy decoding"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, metavar="N", help="sampling seed (repeatable captions)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -414,18 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _connection_args(p)
     p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
-    p.add_argument("--prompt", help="instruction; the task's, or a default per media kind")
-    p.add_argument(
-        "--task", metavar="NAME",
-        help="a task of the worker's config (caption, tags, summary, objects, ocr, safety, or "
-        "one it adds): its prompt and response_format",
-    )  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="longest caption")
-    p.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 is greedy decoding"
-    )
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, metavar="N", help="sampling seed (repeatable captions)")
+    _job_args(p)
     p.add_argument(
         "--inline-max-bytes", type=int, default=768 * 1024, metavar="BYTES",
         help="embed files up to this size in the job; larger ones are sent as file:// URIs, "
@@ -435,6 +466,75 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=1, metavar="N", help="post each source this many times"
     )
     p.set_defaults(fn=cmd_submit)
+
+    p = command("backfill", "caption every row of a manifest into a results file, resumably")
+    p.add_argument(
+        "manifest", metavar="MANIFEST",
+        help="a .jsonl, .csv/.tsv or .parquet file with a URI column, or a directory or glob "
+        "of media files (recognised by content)",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", required=True, type=Path, metavar="RESULTS",
+        help="results file, .parquet or .jsonl: one row per manifest row; an existing one is "
+        "resumed (its rows are not asked again)",
+    )  # fmt: skip
+    p.add_argument("--format", choices=["parquet", "jsonl"], help="of --out (default: by suffix)")
+    p.add_argument(
+        "--name", metavar="NAME",
+        help="prefix of every job id (default: the manifest's file name without suffix); the "
+        "same name and rows give the same ids",
+    )  # fmt: skip
+    p.add_argument("--uri-column", default="uri", metavar="COLUMN",
+                   help="column with the media: a path (relative: to the manifest), file:// or "
+                   "http(s)://")  # fmt: skip
+    p.add_argument(
+        "--key-column", metavar="COLUMN",
+        help="column with a unique row key: job id NAME/KEY (default: a hash of URI, prompt "
+        "and options)",
+    )  # fmt: skip
+    p.add_argument("--prompt-column", metavar="COLUMN", help="column with a per-row prompt")
+    p.add_argument(
+        "--options-column", metavar="COLUMN",
+        help='column with per-row job options as a JSON object, e.g. {"max_tokens": 32, '
+        '"task": "tags", "image": {"max_pixels": 200704}}',
+    )  # fmt: skip
+    p.add_argument(
+        "--metadata-columns", action="append", default=[], metavar="COLUMN[,COLUMN...]",
+        help="columns copied into each job's metadata and the results' metadata column",
+    )  # fmt: skip
+    p.add_argument(
+        "--window", type=int, default=256, metavar="N",
+        help="most jobs posted and not yet answered at once",
+    )  # fmt: skip
+    p.add_argument(
+        "--grace", type=float, default=300.0, metavar="SECONDS",
+        help="on a resume, how long a job posted before the interruption may still be answered "
+        "before it is posted again",
+    )  # fmt: skip
+    _connection_args(p)
+    p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
+    _job_args(p)
+    p.set_defaults(fn=cmd_backfill)
+
+    p = command("replay", "post dead-lettered jobs to the input topic again, as they were")
+    _connection_args(p)
+    p.add_argument(
+        "--code", action="append", default=[], metavar="CODE[,CODE...]",
+        help="only failures with these codes (default: every code)",
+    )  # fmt: skip
+    p.add_argument(
+        "--since", metavar="WHEN",
+        help="only failures from then on: ISO 8601 (UTC unless it says) or an age (30m, 2h, 7d)",
+    )  # fmt: skip
+    p.add_argument("--until", metavar="WHEN", help="only failures before then (as --since)")
+    p.add_argument(
+        "--retryable-only", action="store_true",
+        help="only failures whose cause may have gone away (fetch errors, time-outs, engine "
+        "errors)",
+    )  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="list what would be posted; post nothing")
+    p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
+    p.set_defaults(fn=cmd_replay)
 
     p = command("tail", "print results and failures, one line each")
     _connection_args(p)

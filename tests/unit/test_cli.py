@@ -92,8 +92,8 @@ def test_submit_and_tail_help_show_every_option_with_its_default() -> None:
 #: Each command, and what its --help must show: every option (and positional) it takes. A command
 #: added to the parser without an entry here fails test_every_command_is_covered_by_help_tests.
 HELP_SHOWS: dict[str, tuple[str, ...]] = {
-    "": ("COMMAND", "--version", "--debug", "run", "demo", "submit", "tail", "broker", "schema",
-         "config", "tiny-model"),
+    "": ("COMMAND", "--version", "--debug", "run", "demo", "submit", "backfill", "replay", "tail",
+         "broker", "schema", "config", "tiny-model"),
     "run": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--group-id GROUP",
             "--input-topic TOPIC", "--output-topic TOPIC", "--dead-letter-topic TOPIC",
             "--model ID_OR_DIR", "--max-in-flight N", "--cache-dir DIR", "--metrics-port PORT",
@@ -103,6 +103,17 @@ HELP_SHOWS: dict[str, tuple[str, ...]] = {
                "--set KEY=VALUE", "--topic TOPIC", "--prompt PROMPT", "--task NAME",
                "--max-tokens N", "--temperature T", "--top-p P", "--seed N",
                "--inline-max-bytes BYTES", "--repeat N"),
+    "backfill": ("MANIFEST", "--out RESULTS", "--format {parquet,jsonl}", "--name NAME",
+                 "--uri-column COLUMN", "(default: uri)", "--key-column COLUMN",
+                 "--prompt-column COLUMN", "--options-column COLUMN",
+                 "--metadata-columns COLUMN[,COLUMN...]", "--window N", "(default: 256)",
+                 "--grace SECONDS", "(default: 300.0)", "--config FILE",
+                 "--bootstrap-servers HOST:PORT[,...]", "--set KEY=VALUE", "--topic TOPIC",
+                 "--prompt PROMPT", "--task NAME", "--max-tokens N", "--temperature T",
+                 "--top-p P", "--seed N"),
+    "replay": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--set KEY=VALUE",
+               "--code CODE[,CODE...]", "--since WHEN", "--until WHEN", "--retryable-only",
+               "--dry-run", "--topic TOPIC"),
     "tail": ("--config FILE", "--bootstrap-servers HOST:PORT[,...]", "--set KEY=VALUE",
              "--topics TOPIC", "--follow, -f", "--from-now", "--timeout SECONDS", "--json"),
     "broker": ("--port PORT", "--partitions N"),
@@ -688,6 +699,47 @@ def test_every_run_flag_sets_its_setting(tmp_path: Path, clean_env: None) -> Non
     assert (cfg.engine.model, cfg.limits.max_in_flight, cfg.cache.directory) == ("m", 9, tmp_path)
     assert (cfg.metrics_port, cfg.worker_id, cfg.processes) == (9400, "w", 2)
     assert (cfg.engine.max_num_seqs, cfg.limits.shutdown_grace_s, args.create_topics) == (8, 7, 4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["backfill", "{tmp}/notes.txt", "--out", "{tmp}/r.parquet"],
+         "manifest {tmp}/notes.txt: not a directory, a glob, or a file ending in .jsonl"),
+        (["backfill", "{tmp}/gone.csv", "--out", "{tmp}/r.parquet"],
+         "manifest {tmp}/gone.csv: no such file"),
+        (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.csv"],
+         "--out {tmp}/r.csv: name it .parquet or .jsonl, or say which with --format"),
+        (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.parquet", "--window", "0"],
+         "--window 0: at least 1 job must be allowed outstanding"),
+        (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.parquet", "--max-tokens", "0"],
+         "invalid sampling option: --max-tokens 0"),
+        (["replay", "--code", "fetch_failed,nope"], "--code nope: no such failure code"),
+        (["replay", "--since", "yesterday"], "'yesterday' is not a time"),
+    ],
+)  # fmt: skip
+def test_backfill_and_replay_mistakes_are_one_line_before_the_brokers(
+    argv: list[str], expected: str, tmp_path: Path, closed_port: int, clean_env: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "m.jsonl").write_text('{"uri": "a.jpg"}\n')
+    args = [a.format(tmp=tmp_path) for a in argv]
+    assert main([*args, "--bootstrap-servers", f"127.0.0.1:{closed_port}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmworker: " + expected.format(tmp=tmp_path)), err
+    assert err.count("\n") == 1
+
+
+def test_backfill_needs_reachable_brokers(
+    tmp_path: Path, closed_port: int, clean_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "m.jsonl").write_text('{"uri": "a.jpg"}\n')
+    argv = ["backfill", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "r.parquet"),
+            "--bootstrap-servers", f"127.0.0.1:{closed_port}"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("mmworker: cannot reach the Kafka brokers")
+    assert not (tmp_path / "r.parquet").exists() and not (tmp_path / "r.parquet.journal").exists()
 
 
 def test_config_reference_and_schemas(capsys: pytest.CaptureFixture[str]) -> None:

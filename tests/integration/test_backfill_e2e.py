@@ -1,0 +1,311 @@
+"""`mmworker backfill` on the real broker and a real `mmworker run` worker (tiny model).
+
+One worker serves the module. The big case kills the backfill process with SIGKILL twice (mid
+stream, then again while it is resuming) and checks that the third run ends with exactly one
+output row per manifest row, each with the outcome a direct run gives, and that no job was
+answered more often than the restarts allow. `mmworker replay` is tested here too, on the same
+worker (an engine start costs half a minute on this CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mmworker.backfill import journal_path
+from mmworker.broker import EmbeddedBroker
+from mmworker.config import KafkaConfig
+from mmworker.kafka_io import ensure_topics
+from mmworker.samples import sample_image
+from schemas import GenerationParams, Job, MediaRef
+from tests.integration.workerkit import Collector, Posted, WorkerProcess, post
+
+pytestmark = pytest.mark.integration
+
+IMAGES = 8
+ROWS = 2000
+WINDOW = 64
+#: Every 250 rows, these offsets are bad rows, with the outcome each must get.
+BAD: dict[int, tuple[dict[str, Any], str]] = {
+    7: ({"uri": "media/notes.txt"}, "unsupported_media"),
+    11: ({"uri": "media/missing.jpg"}, "fetch_failed"),
+    13: ({"uri": "/etc/hostname"}, "forbidden_uri"),
+    17: ({"options": {"max_tokens": 0}}, "invalid_schema"),  # never posted: refused locally
+    19: ({"options": {"task": "no-such-task"}}, "unknown_task"),
+}
+
+
+class Lab:
+    def __init__(self, broker: EmbeddedBroker, workdir: Path) -> None:
+        self.bootstrap = broker.bootstrap
+        self.workdir = workdir
+        tag = uuid.uuid4().hex[:6]
+        self.topics = {k: f"backfill-{tag}.{k}" for k in ("input", "output", "dlq")}
+        kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
+        parts = {"input": 3, "output": 3, "dlq": 1}
+        ensure_topics(kafka, {self.topics[k]: n for k, n in parts.items()})
+        media = workdir / "media"
+        media.mkdir()
+        for k in range(IMAGES):
+            (media / f"img{k}.jpg").write_bytes(sample_image(64, 64, seed=k))
+        (media / "notes.txt").write_text("a text file, not an image")
+        self._captions: dict[str, str] = {}
+
+    def command(self, manifest: Path, out: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "mmworker", "backfill", str(manifest), "--out", str(out),
+                "--bootstrap-servers", self.bootstrap, "--max-tokens", "1",
+                "--set", f"kafka.input_topic={self.topics['input']}",
+                "--set", f"kafka.output_topic={self.topics['output']}",
+                "--set", f"kafka.dead_letter_topic={self.topics['dlq']}", *extra]  # fmt: skip
+
+    def direct_captions(self, worker: WorkerProcess) -> dict[str, str]:
+        """Each image as one plain job posted by hand: what the backfill's rows must match."""
+        if self._captions:
+            return self._captions
+        collector = Collector(self.bootstrap, [self.topics["output"]])
+        jobs = {}
+        for k in range(IMAGES):
+            ref = MediaRef(uri=(self.workdir / "media" / f"img{k}.jpg").as_uri())
+            job = Job(job_id=f"direct-{k}", media=[ref], generation=GenerationParams(max_tokens=1))
+            jobs[job.job_id] = job.model_dump_json().encode()
+        post(self.bootstrap, self.topics["input"], list(jobs.items()), Posted())
+        collector.wait_for(set(jobs), 240, worker)
+        self._captions = {f"img{k}": collector.one(f"direct-{k}")[1]["text"] for k in range(IMAGES)}
+        collector.close()
+        return self._captions
+
+
+@pytest.fixture(scope="module")
+def lab(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    yield Lab(broker, tmp_path_factory.mktemp("backfill"))
+
+
+@pytest.fixture(scope="module")
+def worker(lab: Lab) -> Iterator[WorkerProcess]:
+    # A longer session: the big case freezes the worker (SIGSTOP) for a few seconds.
+    extra: dict[str, object] = {"limits.max_in_flight": 64, "kafka.max_poll_records": 64,
+             "kafka.session_timeout_ms": 20_000}  # fmt: skip
+    group = f"backfill-{uuid.uuid4().hex[:6]}"
+    with WorkerProcess(lab.bootstrap, lab.workdir, lab.topics, group, extra) as proc:
+        yield proc
+
+
+def _manifest(lab: Lab, n: int) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
+    """Rows, and what each must come out as: ("ok", image) or ("failed", code)."""
+    rows, expected = [], {}
+    for i in range(n):
+        k = i % IMAGES
+        row: dict[str, Any] = {"key": f"r{i:05d}", "uri": f"media/img{k}.jpg", "album": f"a{i % 5}"}
+        bad = BAD.get(i % 250)
+        if bad is not None:
+            row.update(bad[0])
+        rows.append(row)
+        expected[row["key"]] = ("failed", bad[1]) if bad else ("ok", f"img{k}")
+    return rows, expected
+
+
+def _answers_in(out: Path) -> int:
+    try:
+        return journal_path(out).read_bytes().count(b'"t":"answer"')
+    except FileNotFoundError:
+        return 0
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_until(proc: subprocess.Popen[bytes], done: Any, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def _check_output(rows: list[dict[str, Any]], expected: dict[str, tuple[str, str]],
+                  captions: dict[str, str], name: str) -> None:  # fmt: skip
+    assert len(rows) == len(expected) == len({r["job_id"] for r in rows})
+    assert {r["row"] for r in rows} == set(expected)
+    for r in rows:
+        outcome, what = expected[r["row"]]
+        assert r["job_id"] == f"{name}/{r['row']}"
+        assert r["outcome"] == outcome, r
+        if outcome == "ok":
+            assert r["caption"] == captions[what], r  # the same as a direct run
+            assert (r["output_tokens"], r["finish_reason"], r["model"]) == (1, "length", "tiny")
+            assert r["visual_tokens"] > 0 and r["total_s"] > 0
+            assert json.loads(r["metadata"])["album"] == f"a{int(r['row'][1:]) % 5}"
+        else:
+            assert r["code"] == what and r["message"], r
+
+
+def test_backfill_survives_two_sigkills(lab: Lab, worker: WorkerProcess) -> None:
+    captions = lab.direct_captions(worker)
+    rows, expected = _manifest(lab, ROWS)
+    manifest = lab.workdir / "big.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = lab.workdir / "big.parquet"
+    log = lab.workdir / "big.log"
+    cmd = lab.command(manifest, out, "--key-column", "key", "--options-column", "options",
+                      "--metadata-columns", "album", "--window", str(WINDOW),
+                      "--grace", "1")  # fmt: skip
+    started = time.monotonic()
+
+    def posted() -> int:
+        return journal_path(out).read_bytes().count(b'"t":"posted"')
+
+    # 1. Killed mid-stream, with the worker frozen: its window of jobs stays unanswered.
+    first = _start(cmd, log)
+    _wait_until(first, lambda: _answers_in(out) >= ROWS // 4, log, 240)
+    worker.signal(signal.SIGSTOP)
+    try:
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        before = posted()
+        # 2. The restart finds them unanswered past the grace period and posts them again;
+        # killed right after that, while the worker is still frozen.
+        second = _start(cmd, log)
+        _wait_until(second, lambda: posted() > before, log, 60)
+        second.send_signal(signal.SIGKILL)
+        second.wait(10)
+    finally:
+        worker.signal(signal.SIGCONT)
+    assert not out.exists()  # nothing final was written by the killed runs
+
+    third = _start(cmd, log)
+    assert third.wait(300) == 1, log.read_text()[-3000:]  # some rows failed, as they must
+    elapsed = time.monotonic() - started
+    text = log.read_text()
+    summary = text[text.rindex("backfill big:") :]
+    print(f"{ROWS} rows in {elapsed:.1f}s over three runs\n{summary}")
+
+    _check_output(pq.read_table(out).to_pylist(), expected, captions, "big")
+    assert not journal_path(out).exists()
+    failed = {k for k, (outcome, _) in expected.items() if outcome == "failed"}
+    retry = [json.loads(x) for x in out.with_name("big.retry.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in retry] == sorted(failed)  # in manifest order, original columns
+    assert retry[0] == rows[7]
+
+    # Duplicates: the re-posted jobs were answered twice (and dropped from the output), each job
+    # at most once per run that posted it, and in all no more than a window per restart.
+    posted_keys = {f"big/{k}" for k, (_, code) in expected.items() if code != "invalid_schema"}
+    collector = Collector(lab.bootstrap, [lab.topics["output"], lab.topics["dlq"]])
+    collector.wait_for(posted_keys, 60)
+    collector.pump(1000)  # and any copy behind the last one
+    copies = Counter({j: len(r) for j, r in collector.by_job.items() if j.startswith("big/")})
+    collector.close()
+    assert set(copies) == posted_keys
+    assert max(copies.values()) <= 3, copies.most_common(3)
+    assert 1 <= sum(n - 1 for n in copies.values()) <= 2 * WINDOW, copies.most_common(3)
+    assert "posted" in summary and "answered in" in summary
+
+
+def test_backfill_from_parquet_is_idempotent(lab: Lab, worker: WorkerProcess) -> None:
+    captions = lab.direct_captions(worker)
+    rows, expected = _manifest(lab, 300)
+    for r in rows:
+        r["options"] = json.dumps(r["options"]) if "options" in r else None
+        r["prompt"] = None if r["key"] < "r00150" else "What is in this picture?"
+    manifest = lab.workdir / "pq-manifest.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), manifest)
+    out = lab.workdir / "pq.jsonl"
+    cmd = lab.command(manifest, out, "--name", "pq", "--key-column", "key", "--prompt-column",
+                      "prompt", "--options-column", "options", "--metadata-columns", "album",
+                      "--window", "32")  # fmt: skip
+    # Ctrl-C (or SIGTERM) midway: exit 130, and the same command carries on.
+    log = lab.workdir / "pq.log"
+    stopped = _start(cmd, log)
+    _wait_until(stopped, lambda: _answers_in(out) >= 60, log, 120)
+    stopped.send_signal(signal.SIGINT)
+    assert stopped.wait(30) == 130, log.read_text()[-3000:]
+    assert "stopped; run the same command to resume" in log.read_text()
+    assert not out.exists() and journal_path(out).exists()
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert first.returncode == 1, first.stderr[-3000:]
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    # A prompt of its own changes the caption; compare only the rows on the default prompt.
+    same_prompt = {r["key"] for r in rows if r["prompt"] is None}
+    default_prompt = {k: v for k, v in expected.items() if k in same_prompt}
+    _check_output([r for r in got if r["row"] in same_prompt], default_prompt, captions, "pq")
+    assert len(got) == 300 == len({r["job_id"] for r in got})
+    assert "300 rows in" in first.stderr
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert "this run: 0 posted" in again.stderr, again.stderr  # nothing asked twice
+    assert [json.loads(x) for x in out.read_text().splitlines()] == got
+
+
+def test_replay_reposts_dead_lettered_jobs(lab: Lab, worker: WorkerProcess) -> None:
+    since = datetime.now(UTC).isoformat()  # the earlier tests' failures are older
+    later = [lab.workdir / "media" / f"later{i}.jpg" for i in range(3)]
+    refs = [MediaRef(uri=p.as_uri()) for p in later]
+    refs.append(MediaRef(uri="file:///etc/hostname"))
+    # Inline bytes over the dead-letter topic's 64 KiB payload limit: kept only in part.
+    refs.append(MediaRef(data=os.urandom(70_000)))
+    names = ["rp-later-0", "rp-later-1", "rp-later-2", "rp-forbidden", "rp-cut"]
+    jobs = [Job(job_id=n, media=[r], generation=GenerationParams(max_tokens=1))
+            for n, r in zip(names, refs, strict=True)]  # fmt: skip
+    payloads = [(j.job_id, j.model_dump_json().encode()) for j in jobs]
+    post(lab.bootstrap, lab.topics["input"], payloads, Posted())
+    failures = Collector(lab.bootstrap, [lab.topics["dlq"]])
+    failures.wait_for({j.job_id for j in jobs}, 120, worker)
+    codes = {j.job_id: failures.one(j.job_id)[1]["code"] for j in jobs}
+    failures.close()
+    assert codes == {"rp-later-0": "fetch_failed", "rp-later-1": "fetch_failed",
+                     "rp-later-2": "fetch_failed", "rp-forbidden": "forbidden_uri",
+                     "rp-cut": "unsupported_media"}  # fmt: skip
+    for i, path in enumerate(later):  # the cause goes away
+        path.write_bytes(sample_image(64, 64, seed=100 + i))
+
+    def replay(*flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "mmworker", "replay", "--bootstrap-servers", lab.bootstrap,
+               "--set", f"kafka.input_topic={lab.topics['input']}",
+               "--set", f"kafka.dead_letter_topic={lab.topics['dlq']}",
+               "--since", since, *flags]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+    dry = replay("--retryable-only", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    listed = sorted(line.split("\t")[1] for line in dry.stdout.splitlines())
+    assert listed == ["rp-later-0", "rp-later-1", "rp-later-2"], dry.stdout + dry.stderr
+    assert dry.stdout.startswith("would replay\trp-later-")
+    assert "would replay 3 jobs to" in dry.stderr and "(fetch_failed 3)" in dry.stderr
+
+    real = replay("--retryable-only")
+    assert real.returncode == 0, real.stderr
+    assert "replayed 3 jobs to" in real.stderr and "0 refused" in real.stderr
+    results = Collector(lab.bootstrap, [lab.topics["output"]])
+    results.wait_for({f"rp-later-{i}" for i in range(3)}, 120, worker)
+    time.sleep(1)
+    results.pump()
+    for i in range(3):  # answered once: the dry run posted nothing
+        _, doc = results.one(f"rp-later-{i}")
+        assert doc["metadata"] == {"replays": 1} and doc["usage"]["output_tokens"] == 1
+    results.close()
+
+    cut = replay("--code", "unsupported_media,forbidden_uri")
+    assert cut.returncode == 1
+    assert "refused rp-cut (unsupported_media): its payload was cut" in cut.stderr, cut.stderr
+    assert cut.stdout.split("\t")[:3] == ["replayed", "rp-forbidden", "forbidden_uri"]
+    assert "replayed 1 jobs" in cut.stderr and "1 refused" in cut.stderr
+
+    nothing = replay("--until", since)  # an empty time range
+    assert (nothing.returncode, nothing.stdout) == (0, "")
+    assert "replayed 0 jobs" in nothing.stderr
