@@ -669,20 +669,15 @@ class Poster:
         a loss)."""
         if not batch:
             return
-        from kafka.errors import KafkaError
+        from mmworker.kafka_io import post_acknowledged
 
         now = time.time()
-        try:
-            futures = [self.producer.send(self.topic, key=job_id.encode(), value=value)
-                       for job_id, value in batch]  # fmt: skip
-            self.producer.flush()
-            for future in futures:
-                future.get(timeout=30)
-        except KafkaError as exc:
-            raise ConfigError(
-                f"cannot post to topic {self.topic!r} ({type(exc).__name__}: {exc}): create it "
-                "(the worker does with --create-topics N), or name another with --topic"
-            ) from exc
+        post_acknowledged(
+            self.producer,
+            self.topic,
+            [(job_id.encode(), value, []) for job_id, value in batch],
+            "create it (the worker does with --create-topics N), or name another with --topic",
+        )
         self.journal.write(
             {"t": "posted", "id": job_id, "at": now, "job": value.decode()}
             for job_id, value in batch

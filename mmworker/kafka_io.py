@@ -71,6 +71,26 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
     )
 
 
+def post_acknowledged(
+    producer: KafkaProducer,
+    topic: str,
+    records: list[tuple[bytes, bytes, list[tuple[str, bytes]]]],
+    fix: str,
+) -> None:
+    """Send (key, value, headers) records and wait for every acknowledgement: the command-line
+    tools that post (backfill, replay) record a job as posted only once the broker has it. A
+    refusal is a one-line `ConfigError` naming the topic and `fix`."""
+    try:
+        futures = [producer.send(topic, key=k, value=v, headers=h or None) for k, v, h in records]
+        producer.flush()
+        for future in futures:
+            future.get(timeout=30)
+    except KafkaError as exc:
+        raise ConfigError(
+            f"cannot post to topic {topic!r} ({type(exc).__name__}: {exc}): {fix}"
+        ) from exc
+
+
 def check_brokers(
     cfg: KafkaConfig, timeout_s: float, source: str = "kafka.bootstrap_servers"
 ) -> None:

@@ -166,27 +166,22 @@ def _post(cfg: WorkerConfig, topic: str, todo: list[tuple[str, Failure, tuple[in
     """Send each payload keyed by its job id, with a header naming the dead-letter record it
     came from, and wait until the broker has them all."""
     from kafka import KafkaProducer
-    from kafka.errors import KafkaError
+
+    from mmworker.kafka_io import post_acknowledged
 
     producer = KafkaProducer(
         acks="all", linger_ms=20, max_block_ms=cfg.kafka.max_block_ms,
         max_request_size=cfg.kafka.max_request_size, **cfg.kafka.client_kwargs(),
     )  # fmt: skip
     dlq = cfg.kafka.dead_letter_topic
+    records = [
+        (key.encode(), replay_payload(failure), [("mmworker-replay-of", f"{dlq}/{p}/{o}".encode())])
+        for key, failure, (p, o) in todo
+    ]
     try:
-        futures = []
-        for key, failure, (p, o) in todo:
-            origin = [("mmworker-replay-of", f"{dlq}/{p}/{o}".encode())]
-            value = replay_payload(failure)
-            futures.append(producer.send(topic, key=key.encode(), value=value, headers=origin))
-        producer.flush()
-        for future in futures:
-            future.get(timeout=30)
-    except KafkaError as exc:
-        raise ConfigError(
-            f"cannot post to topic {topic!r} ({type(exc).__name__}: {exc}): name the input "
-            "topic with --topic or kafka.input_topic"
-        ) from exc
+        post_acknowledged(
+            producer, topic, records, "name the input topic with --topic or kafka.input_topic"
+        )
     finally:
         producer.close(timeout=5)
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mmworker.broker import EmbeddedBroker
@@ -19,29 +18,12 @@ from tests.integration.workerkit import (
     WorkerProcess,
     make_topics,
     post,
+    process_tree,
+    still_alive,
     wait_committed,
 )
 
 pytestmark = pytest.mark.integration
-
-
-def _tree(pid: int) -> list[tuple[int, str]]:
-    """(pid, command) of `pid` and every descendant, from ps."""
-    rows = subprocess.run(
-        ["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    procs = {}
-    for row in rows:
-        p, pp, args = row.split(None, 2) if len(row.split(None, 2)) == 3 else (*row.split(), "")
-        procs[int(p)] = (int(pp), args)
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        for p, (pp, args) in procs.items():
-            if pp == parent:
-                found.append((p, args))
-                frontier.append(p)
-    return found
 
 
 def test_two_workers_feed_one_engine_core_and_drain_on_sigterm(
@@ -72,26 +54,25 @@ def test_two_workers_feed_one_engine_core_and_drain_on_sigterm(
             answered_by.add(doc["worker_id"])
         assert answered_by == {"pair-0", "pair-1"}, worker.log()
         assert worker.proc is not None
-        tree = _tree(worker.proc.pid)
-        cores = [p for p, args in tree if "EngineCore" in args]
+        tree = process_tree(worker.proc.pid)
+        cores = [p for p in tree if _is_engine_core(p)]
         # One engine core for both workers: the point of the setting.
         assert len(cores) == 1, tree
         worker.signal(signal.SIGTERM)
         assert worker.wait(120) == 0, worker.log()
         log = worker.log()
         assert "2 worker processes ready on one engine core" in log, log
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p, _ in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p, _ in tree if _alive(p)], tree
+        alive = still_alive(tree, 10)
+        assert not alive, [p.pid for p in alive]
     got = wait_committed(broker.bootstrap, group, topics["input"], posted.ends(), timeout=20)
     assert got == posted.ends()
     collector.close()
 
 
-def _alive(pid: int) -> bool:
+def _is_engine_core(proc: psutil.Process) -> bool:
+    """vLLM renames its engine-core process (VLLM::EngineCore); a child that exited since the
+    tree was taken is not one."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
+        return "EngineCore" in " ".join(proc.cmdline()) + proc.name()
+    except psutil.Error:
         return False

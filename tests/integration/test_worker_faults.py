@@ -12,14 +12,21 @@ import uuid
 import zlib
 from pathlib import Path
 
-import psutil
 import pytest
 
 from mmworker.broker import EmbeddedBroker
 from mmworker.demo import worker_command
 from mmworker.samples import sample_image
 from schemas import GenerationParams, Job, MediaRef
-from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    make_topics,
+    post,
+    process_tree,
+    still_alive,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +40,6 @@ def _job(job_id: str, gen: GenerationParams, prompt: str | None = None) -> tuple
     return job.job_id, job.model_dump_json().encode()
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    return psutil.Process(pid).children(recursive=True)
-
-
 def _wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -47,11 +50,6 @@ def _wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
             break
         time.sleep(0.2)
     raise AssertionError(f"{text!r} not logged\n{worker.log()}")
-
-
-def _all_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    return alive
 
 
 @pytest.mark.timeout(900)
@@ -165,7 +163,7 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _engine_core_started(pid: int) -> bool:
-    return any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in _tree(pid))
+    return any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in process_tree(pid))
 
 
 @pytest.mark.timeout(600)
@@ -187,7 +185,7 @@ def test_sigterm_at_any_point_of_start_up_exits_0_and_leaves_no_process(
                 assert proc.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.01)
-            tree = _tree(proc.pid)
+            tree = process_tree(proc.pid)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(60)
@@ -195,7 +193,7 @@ def test_sigterm_at_any_point_of_start_up_exits_0_and_leaves_no_process(
             text = log.read_text(errors="replace")
             assert code == 0, (name, code, text[-3000:])
             assert "Traceback" not in text, (name, text[-3000:])
-            alive = _all_gone(tree, 10)
+            alive = still_alive(tree, 10)
             assert not alive, (name, [p.cmdline() for p in alive])
             print(f"SIGTERM at {name}: exit {code} after {took:.1f}s, {len(tree)} children gone")
         finally:
@@ -213,7 +211,7 @@ def test_sigterm_with_the_broker_frozen_exits_0_within_bounds(tmp_path: Path) ->
         with WorkerProcess(frozen.bootstrap, tmp_path, topics, f"f-{uuid.uuid4().hex[:6]}") as w:
             _wait_for_log(w, "consuming", 300)
             assert w.proc is not None and frozen.pid is not None
-            tree = _tree(w.proc.pid)
+            tree = process_tree(w.proc.pid)
             os.kill(frozen.pid, signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
@@ -223,7 +221,7 @@ def test_sigterm_with_the_broker_frozen_exits_0_within_bounds(tmp_path: Path) ->
             finally:
                 os.kill(frozen.pid, signal.SIGCONT)
             assert code == 0, w.log()
-            assert not _all_gone(tree, 10)
+            assert not still_alive(tree, 10)
             print(f"SIGTERM with the broker frozen: exit 0 after {took:.1f}s")
 
 
@@ -245,7 +243,7 @@ def test_a_sigkilled_worker_leaves_no_process_behind(
     with WorkerProcess(broker.bootstrap, tmp_path, topics, f"o-{uuid.uuid4().hex[:6]}") as w:
         _wait_for_log(w, "consuming", 300)
         assert w.proc is not None
-        tree = _tree(w.proc.pid)
+        tree = process_tree(w.proc.pid)
         names = [" ".join(p.cmdline())[:80] for p in tree]
         assert len(tree) >= 2, names  # at least the engine core and a preprocessing process
         # Out of the worker's process group: a terminal's Ctrl-C does not reach them directly.
@@ -256,6 +254,6 @@ def test_a_sigkilled_worker_leaves_no_process_behind(
         # reach it: only the worker itself is killed here, as an OOM killer would.
         os.kill(w.proc.pid, signal.SIGKILL)
         w.proc.wait(10)
-        alive = _all_gone(tree, 10)
+        alive = still_alive(tree, 10)
         assert not alive, [p.cmdline() for p in alive]
     print(f"{len(tree)} child processes gone after SIGKILL: {names}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import psutil
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
@@ -23,6 +24,17 @@ from mmworker.demo import worker_command
 from mmworker.kafka_io import ensure_topics
 
 PARTITIONS = 3
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """Every descendant of `pid`, taken before a signal: what must be gone after it."""
+    return psutil.Process(pid).children(recursive=True)
+
+
+def still_alive(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The ones of `procs` still running after `timeout` seconds (zombies count as gone)."""
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    return alive
 
 
 def make_topics(bootstrap: str, prefix: str) -> dict[str, str]:
