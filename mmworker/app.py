@@ -14,6 +14,7 @@ from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, pru
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
 from mmworker.engine.shared_core import CoreLink
+from mmworker.exits import check_interrupted
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import DecodePool, MediaStage, lower_thread_priority
@@ -145,7 +146,9 @@ async def _serve(
             encoder_store=store,
             core=core,
         )
+        check_interrupted()
         engine.start()
+        check_interrupted()
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         for f in warming:
             f.result()
@@ -158,6 +161,7 @@ async def _serve(
         )
         runner = JobRunner(cfg, engine, media, metrics)
         await runner.check_tasks()
+        check_interrupted()
         worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))

@@ -45,16 +45,27 @@ def stop_on_signals() -> None:
     The first SIGTERM/SIGINT raises `Interrupted` in the main thread; a second one exits at once.
     The poll loop later replaces these with handlers that drain in-flight jobs."""
 
-    seen: list[int] = []
-
     def handler(signum: int, _frame: FrameType | None) -> None:
-        if seen:
+        if _seen:
             os._exit(ExitCode.INTERRUPTED)
-        seen.append(signum)
+        _seen.append(signum)
         raise Interrupted(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+#: Signals `stop_on_signals`' handler has taken: kept because the `Interrupted` it raises can
+#: land inside a library that swallows every exception (seen: a SIGTERM at main's first line,
+#: during the heavy imports, was lost and the worker went on to consume).
+_seen: list[int] = []
+
+
+def check_interrupted() -> None:
+    """Raise `Interrupted` again if a start-up signal was taken: called at the start-up steps, so
+    a swallowed one still stops the worker before it consumes."""
+    if _seen:
+        raise Interrupted(_seen[0])
 
 
 def exit_now(code: int) -> None:
