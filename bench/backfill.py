@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
-from mmworker.demo import worker_command
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.demo import worker_command
+from mmworker.devkit.samples import sample_image
 from mmworker.kafka_io import ensure_topics
-from mmworker.samples import sample_image
-from schemas import GenerationParams, Job, MediaRef
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

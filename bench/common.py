@@ -30,7 +30,7 @@ MEDIA_CACHE = OUT / "media"
 
 
 def _image_job(args: tuple[int, int, int]) -> bytes:
-    from mmworker.samples import sample_image
+    from mmworker.devkit.samples import sample_image
 
     size, seed, _ = args
     return sample_image(width=size, height=size, seed=seed)
@@ -39,8 +39,8 @@ def _image_job(args: tuple[int, int, int]) -> bytes:
 def seeded_video(
     seed: int, seconds: float = 8.0, fps: int = 24, width: int = 448, height: int = 448
 ) -> bytes:
-    """Distinct content per seed (see `mmworker.samples.sample_video`)."""
-    from mmworker.samples import sample_video
+    """Distinct content per seed (see `mmworker.devkit.samples.sample_video`)."""
+    from mmworker.devkit.samples import sample_video
 
     return sample_video(seconds=seconds, fps=fps, width=width, height=height, seed=seed)
 

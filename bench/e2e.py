@@ -236,9 +236,12 @@ def child_env(opts: Options) -> dict[str, str]:
 
 def resolve_model_path(model: str) -> str:
     from mmworker.app import model_cache_dir
-    from mmworker.engine import resolve_model
+    from mmworker.config import TINY_MODEL
+    from mmworker.devkit.tiny_model import ensure_tiny_model
 
-    return resolve_model(model, model_cache_dir())
+    if model == TINY_MODEL:
+        return str(ensure_tiny_model(model_cache_dir()))
+    return model
 
 
 def worker_args(
@@ -257,7 +260,7 @@ def worker_args(
     are overridden (preprocess workers, context length) and `--model` is appended (argparse keeps
     the last value), so on a GPU host the engine gets its defaults (CUDA graphs, 0.92 memory).
     """
-    from mmworker.demo import worker_command
+    from mmworker.devkit.demo import worker_command
 
     extra: dict[str, object] = {
         "engine.load_format": opts.load_format,
@@ -292,7 +295,7 @@ def make_topics(bootstrap: str, name: str) -> dict[str, str]:
 
 
 def image_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
-    from schemas import GenerationParams, Job, MediaRef
+    from mmworker.schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,
@@ -303,7 +306,7 @@ def image_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> byt
 
 
 def video_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
-    from schemas import GenerationParams, Job, MediaRef
+    from mmworker.schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,
@@ -330,7 +333,7 @@ def post(bootstrap: str, topic: str, jobs: list[tuple[str, bytes]]) -> float:
 
 
 def run(opts: Options) -> dict[str, Any]:
-    from mmworker.broker import EmbeddedBroker, free_port
+    from mmworker.devkit.broker import EmbeddedBroker, free_port
 
     OUT.mkdir(parents=True, exist_ok=True)
     env_facts = environment()
@@ -901,11 +904,11 @@ def naive_loop(
 ) -> dict[str, Any]:
     """What a first implementation writes: one job at a time, synchronously, start to finish."""
     from kafka import KafkaConsumer, KafkaProducer
+    from mmworker.preprocess.fetch import fetch_bytes
+    from mmworker.preprocess.prepare import prepare_media
+    from mmworker.schemas import parse_job
 
     from mmworker.engine import EngineItem, _mm_data
-    from preprocess.fetch import fetch_bytes
-    from preprocess.prepare import prepare_media
-    from schemas import parse_job
 
     consumer = KafkaConsumer(
         topics["input"],

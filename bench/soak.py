@@ -150,7 +150,7 @@ class JobMaker:
         }
 
     def job(self, i: int) -> tuple[str, bytes]:
-        from schemas import GenerationParams, Job, MediaRef
+        from mmworker.schemas import GenerationParams, Job, MediaRef
 
         o = self._opts
         gen = GenerationParams(max_tokens=o.max_tokens, ignore_eos=True)
@@ -170,7 +170,7 @@ class JobMaker:
         return job_id, job.model_dump_json().encode()
 
     def _image(self, seed: int) -> bytes:
-        from mmworker.samples import sample_image
+        from mmworker.devkit.samples import sample_image
 
         width, height = self.IMAGE_SIZES[seed % len(self.IMAGE_SIZES)]
         return sample_image(width=width, height=height, seed=seed)
@@ -182,7 +182,7 @@ class JobMaker:
 
     def _video(self, seed: int) -> Path:
         """2 s, 8 fps, 160×120: sampled at 2 fps → 4 frames, upscaled to the per-frame floor."""
-        from mmworker.samples import sample_video
+        from mmworker.devkit.samples import sample_video
 
         path = self._dir / f"clip-{seed}.mp4"
         if not path.exists():
@@ -471,9 +471,9 @@ def run(opts: Options) -> dict[str, Any]:
 
     from bench.e2e import Options as E2EOptions
     from bench.e2e import child_env, resolve_model_path
-    from mmworker.broker import EmbeddedBroker
     from mmworker.config import KafkaConfig
-    from mmworker.demo import worker_command
+    from mmworker.devkit.broker import EmbeddedBroker
+    from mmworker.devkit.demo import worker_command
     from mmworker.kafka_io import ensure_topics
 
     OUT.mkdir(parents=True, exist_ok=True)

@@ -67,9 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def tags_prompt() -> str:
+    from mmworker.schemas import Job, MediaRef
+
     from mmworker.config import load_config
     from mmworker.tasks import plan_job
-    from schemas import Job, MediaRef
 
     job = Job(job_id="x", task="tags", media=[MediaRef(uri="https://example.com/x.jpg")])
     _, plan = plan_job(job, load_config().tasks)
@@ -81,7 +82,7 @@ def jobs_for(
 ) -> list[tuple[str, bytes]]:
     """Tags jobs stop where their JSON closes; each free-text job is then made to generate
     exactly as many tokens as the tags job on its image did (`ignore_eos`)."""
-    from schemas import GenerationParams, Job, MediaRef
+    from mmworker.schemas import GenerationParams, Job, MediaRef
 
     prompt = tags_prompt()
     out = []
@@ -169,9 +170,9 @@ def wait_metrics(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mmworker.broker import EmbeddedBroker, free_port
     from mmworker.config import KafkaConfig
-    from mmworker.demo import worker_command
+    from mmworker.devkit.broker import EmbeddedBroker, free_port
+    from mmworker.devkit.demo import worker_command
     from mmworker.kafka_io import ensure_topics
 
     images = make_images(args.images, args.size)

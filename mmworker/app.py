@@ -19,8 +19,8 @@ from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import DecodePool, MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
+from mmworker.preprocess.prepare import warm_up
 from mmworker.worker import Worker
-from preprocess.prepare import warm_up
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from pydantic import ValidationError
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
-from schemas import GenerationParams, Job, MediaRef
-from schemas.job import JOB_ID_MAX_LENGTH
+from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker.schemas.job import JOB_ID_MAX_LENGTH
 
 #: Manifest suffixes and the reader each selects.
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")

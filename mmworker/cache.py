@@ -50,7 +50,7 @@ import numpy.typing as npt
 import zstandard
 
 from mmworker.errors import WorkerError
-from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
 
 log = logging.getLogger(__name__)
 

@@ -304,10 +304,17 @@ def _check_brokers(cfg: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from mmworker.config import TINY_MODEL
+
     cfg = _load(args)
     logs.setup(cfg.log_level)
     check_model(cfg.engine.model, setting_source("engine.model", args))
     _check_brokers(cfg, args)
+    if cfg.engine.model == TINY_MODEL:  # the embedded default: development tooling builds it
+        from mmworker.app import model_cache_dir
+        from mmworker.devkit.tiny_model import ensure_tiny_model
+
+        ensure_tiny_model(model_cache_dir())
     logs.quiet_libraries(cfg.log_level)
     if cfg.processes > 1:
         from mmworker.processes import run_processes
@@ -332,7 +339,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from schemas.export import MODELS, render
+    from mmworker.schemas.export import MODELS, render
 
     names = [args.name] if args.name else list(MODELS)
     for name in names:
@@ -341,7 +348,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from mmworker.tiny_model import build_tiny_model
+    from mmworker.devkit.tiny_model import build_tiny_model
 
     path = build_tiny_model(args.directory, arch=args.arch, seed=args.seed)
     print(f"wrote {args.arch} Qwen2.5-VL (random weights, for testing) to {path}")
@@ -392,13 +399,13 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from mmworker.broker import run_broker
+    from mmworker.devkit.broker import run_broker
 
     return run_broker(args.port, args.partitions)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mmworker.demo import run_demo
+    from mmworker.devkit.demo import run_demo
 
     return run_demo(keep_going=args.keep)
 

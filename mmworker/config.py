@@ -35,13 +35,18 @@ from pydantic_settings import (
 )
 
 from mmworker.errors import ConfigError
+from mmworker.preprocess.params import FetchPolicy, ImageParams, VideoParams
+from mmworker.schemas.job import TASK_NAME_PATTERN, ResponseFormat
 from mmworker.task_defaults import DEFAULT_TASKS
-from preprocess.params import FetchPolicy, ImageParams, VideoParams
-from schemas.job import TASK_NAME_PATTERN, ResponseFormat
 
 _TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=None)
 
 TINY_MODEL = "tiny"
+
+
+def tiny_model_dir(cache_dir: Path) -> Path:
+    """Where `engine.model = "tiny"` lives under the model cache."""
+    return cache_dir / "tiny-qwen2.5-vl"
 
 
 def cache_home() -> Path:

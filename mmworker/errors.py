@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
 
 
 class WorkerError(Exception):

@@ -32,13 +32,13 @@ from mmworker.errors import (
 from mmworker.gate import EngineGate
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
+from mmworker.preprocess.errors import PreprocessError
+from mmworker.preprocess.tokens import fair_shares
 from mmworker.records import Context, build_failure, build_result, visual_tokens
+from mmworker.schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
+from mmworker.schemas.codes import ErrorCode
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import Plan, plan_job
-from preprocess.errors import PreprocessError
-from preprocess.tokens import fair_shares
-from schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
-from schemas.codes import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class JobRunner:
         Items needing no more than an equal share of what is left keep what they have; the
         others share the rest equally and are prepared again at that share (fetched again: the
         bytes are not kept; only jobs with several items that overflow pay it). See
-        `preprocess.tokens.fair_shares`.
+        `mmworker.preprocess.tokens.fair_shares`.
         """
         cfg = self._cfg.engine
         if cfg.max_model_len is None or len(media) < 2:

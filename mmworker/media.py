@@ -26,13 +26,13 @@ from typing import TypeVar
 from mmworker.cache import FeatureCache, make_key
 from mmworker.config import PreprocessConfig
 from mmworker.errors import PreprocessPoolDead
-from preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
-from preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
-from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from preprocess.prepare import prepare_media, warm_up
-from preprocess.sniff import sniff
-from preprocess.tokens import image_tokens, video_tokens
-from schemas import Job, MediaRef
+from mmworker.preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
+from mmworker.preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
+from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker.preprocess.prepare import prepare_media, warm_up
+from mmworker.preprocess.sniff import sniff
+from mmworker.preprocess.tokens import image_tokens, video_tokens
+from mmworker.schemas import Job, MediaRef
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from pydantic import JsonValue
 
 from mmworker.engine import EngineOutput
 from mmworker.media import PreparedMedia
-from preprocess.params import PreparedImage
-from preprocess.tokens import image_tokens, video_tokens
-from schemas import Failure, Job, MediaFacts, Result, SourceCoords, Timings, Usage
-from schemas.codes import ErrorCode
+from mmworker.preprocess.params import PreparedImage
+from mmworker.preprocess.tokens import image_tokens, video_tokens
+from mmworker.schemas import Failure, Job, MediaFacts, Result, SourceCoords, Timings, Usage
+from mmworker.schemas.codes import ErrorCode
 
 #: A dead-letter message longer than this is cut: it is for people, and the record must stay
 #: well under the broker's message size limit whatever an exception says.

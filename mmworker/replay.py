@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
-from schemas import MAX_PAYLOAD_BYTES, Failure
-from schemas.codes import ErrorCode
+from mmworker.schemas import MAX_PAYLOAD_BYTES, Failure
+from mmworker.schemas.codes import ErrorCode
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}

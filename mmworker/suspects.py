@@ -25,7 +25,7 @@ from kafka import KafkaConsumer
 from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig
-from schemas import SourceCoords
+from mmworker.schemas import SourceCoords
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from tqdm import tqdm
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
-from preprocess.errors import UnsupportedMedia
-from preprocess.sniff import sniff
-from schemas import GenerationParams, Job, MediaRef
-from schemas.job import TASK_NAME_PATTERN
+from mmworker.preprocess.errors import UnsupportedMedia
+from mmworker.preprocess.sniff import sniff
+from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker.schemas.job import TASK_NAME_PATTERN
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
 #: unusual container a few KiB to find its streams.

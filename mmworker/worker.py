@@ -47,8 +47,8 @@ from mmworker.kafka_io import (
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.records import Context
+from mmworker.schemas import Failure, SourceCoords
 from mmworker.suspects import KafkaSuspects, Suspects
-from schemas import Failure, SourceCoords
 
 log = logging.getLogger(__name__)
 

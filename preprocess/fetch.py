@@ -4,8 +4,8 @@ URIs come from producers, so every fetch is treated as untrusted input: file:// 
 configured roots, and http(s):// refuses internal addresses (cloud metadata, loopback admin ports,
 the private network) unless the operator opts in. Sizes and time are bounded because one slow or
 huge download must not stall a worker that serves many jobs, and servers are treated as hostile
-too: one wall-clock deadline covers every receive of the whole fetch (see `preprocess.http1`), and
-the job that started a fetch can stop it through a `FetchHandle`.
+too: one wall-clock deadline covers every receive of the whole fetch (see
+`mmworker.preprocess.http1`), and the job that started a fetch can stop it through a `FetchHandle`.
 
 Synchronous by design: it runs in a thread or process pool next to decoding.
 """
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from preprocess import netpolicy
-from preprocess.errors import (
+from mmworker.preprocess import netpolicy
+from mmworker.preprocess.errors import (
     BadResponse,
     ChecksumMismatch,
     FetchAborted,
@@ -39,10 +39,10 @@ from preprocess.errors import (
     PreprocessError,
     TooLarge,
 )
-from preprocess.http1 import Reader
-from preprocess.netpolicy import forbidden_reason
-from preprocess.params import FetchPolicy
-from schemas.job import MediaRef
+from mmworker.preprocess.http1 import Reader
+from mmworker.preprocess.netpolicy import forbidden_reason
+from mmworker.preprocess.params import FetchPolicy
+from mmworker.schemas.job import MediaRef
 
 __all__ = ["FetchHandle", "check_allowed", "fetch_bytes", "forbidden_reason", "sha256_hex"]
 

@@ -18,7 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from preprocess.errors import BadResponse, FetchFailed, FetchTimeout, TooLarge
+from mmworker.preprocess.errors import BadResponse, FetchFailed, FetchTimeout, TooLarge
 
 #: Interim (1xx) responses tolerated before the final one; real servers send one or two.
 MAX_INTERIM = 8

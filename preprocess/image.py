@@ -24,11 +24,15 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 import pillow_heif
+from mmworker.preprocess.errors import (
+    BadAspectRatio,
+    TooLarge,
+    TooManyVisualTokens,
+    UndecodableImage,
+)
+from mmworker.preprocess.params import ImageParams, PreparedImage
+from mmworker.preprocess.tokens import fit_pixels, image_tokens, resized
 from PIL import Image, UnidentifiedImageError
-
-from preprocess.errors import BadAspectRatio, TooLarge, TooManyVisualTokens, UndecodableImage
-from preprocess.params import ImageParams, PreparedImage
-from preprocess.tokens import fit_pixels, image_tokens, resized
 
 #: Pillow may open only these; other plugins (EPS runs Ghostscript, for one) are never reached.
 #: JPEG covers MPO too. AVIF is tried before HEIF: both accept the generic `mif1` brand, and a

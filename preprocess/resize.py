@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from preprocess.errors import BadAspectRatio
-from preprocess.params import (
+from mmworker.preprocess.errors import BadAspectRatio
+from mmworker.preprocess.params import (
     IMAGE_FACTOR,
     MAX_PIXELS,
     MAX_RATIO,

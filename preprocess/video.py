@@ -72,24 +72,23 @@ from av.sidedata.sidedata import SideData
 from av.stream import Disposition
 from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
-from PIL import Image
-
-from preprocess.avopen import open_input
-from preprocess.errors import (
+from mmworker.preprocess.avopen import open_input
+from mmworker.preprocess.errors import (
     NoFrames,
     TooLarge,
     TooManyVisualTokens,
     UndecodableVideo,
     UnsupportedMedia,
 )
-from preprocess.params import (
+from mmworker.preprocess.params import (
     FRAME_FACTOR,
     PreparedVideo,
     VideoParams,
     frame_max_pixels,
     video_pixel_floor,
 )
-from preprocess.tokens import fit_pixels, resized, video_tokens
+from mmworker.preprocess.tokens import fit_pixels, resized, video_tokens
+from PIL import Image
 
 #: A stretch of unneeded packets at least this long is jumped with a container seek; shorter
 #: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek

@@ -3,10 +3,10 @@
 Only pydantic is imported here so producers and consumers can depend on this package alone.
 """
 
-from schemas.codes import RETRYABLE_CODES, ErrorCode
-from schemas.errors import InvalidJson, InvalidSchema, SchemaError, UnsupportedVersion
-from schemas.failure import MAX_PAYLOAD_BYTES, Failure
-from schemas.job import (
+from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker.schemas.errors import InvalidJson, InvalidSchema, SchemaError, UnsupportedVersion
+from mmworker.schemas.failure import MAX_PAYLOAD_BYTES, Failure
+from mmworker.schemas.job import (
     DEFAULT_PROMPTS,
     MAX_MEDIA_PER_JOB,
     ChoiceFormat,
@@ -21,9 +21,9 @@ from schemas.job import (
     VideoOptions,
     VideoStrategy,
 )
-from schemas.parse import parse_job
-from schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
-from schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
+from mmworker.schemas.parse import parse_job
+from mmworker.schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
+from mmworker.schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 __all__ = [
     "DEFAULT_PROMPTS",

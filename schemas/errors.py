@@ -5,7 +5,7 @@ They carry an `ErrorCode` so the worker can write the dead-letter record without
 
 from __future__ import annotations
 
-from schemas.codes import ErrorCode
+from mmworker.schemas.codes import ErrorCode
 
 
 class SchemaError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, TypeAlias
 
+from mmworker.schemas.version import SCHEMA_VERSION, VERSION_PATTERN
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -14,8 +15,6 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
-
-from schemas.version import SCHEMA_VERSION, VERSION_PATTERN
 
 MediaKind = Literal["image", "video"]
 VideoStrategy = Literal["fps", "interval", "keyframes"]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
+from mmworker.schemas.errors import InvalidJson, InvalidSchema, UnsupportedVersion
+from mmworker.schemas.job import JOB_ID_MAX_LENGTH, Job
+from mmworker.schemas.version import SCHEMA_MAJOR, major_of
 from pydantic import ValidationError
-
-from schemas.errors import InvalidJson, InvalidSchema, UnsupportedVersion
-from schemas.job import JOB_ID_MAX_LENGTH, Job
-from schemas.version import SCHEMA_MAJOR, major_of
 
 
 def parse_job(raw: bytes | None) -> Job:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
+from mmworker.schemas.job import MediaKind
+from mmworker.schemas.version import SCHEMA_VERSION
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
-
-from schemas.job import MediaKind
-from schemas.version import SCHEMA_VERSION
 
 
 class _Out(BaseModel):

@@ -178,10 +178,11 @@ def fetch(keep_archives: bool) -> int:
 def table() -> int:
     """tests/README.md's table: every file through what the media stage runs, defaults."""
     sys.path.insert(0, str(ROOT))
+    from mmworker.preprocess.errors import PreprocessError
+    from mmworker.preprocess.params import PreparedVideo
+    from mmworker.preprocess.prepare import prepare_media
+
     from mmworker.config import PreprocessConfig
-    from preprocess.errors import PreprocessError
-    from preprocess.params import PreparedVideo
-    from preprocess.prepare import prepare_media
 
     cfg = PreprocessConfig()
     image = cfg.image_params(None, None)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mmworker.schemas.export import main as export_schemas
+
 from mmworker.config_reference import render_reference
-from schemas.export import main as export_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 

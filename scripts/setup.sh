@@ -36,4 +36,4 @@ else
     printf '%s\n' "$want" >"$STAMP"
 fi
 
-"$VENV/bin/python" -m mmworker.torchvision_repair
+"$VENV/bin/python" -m mmworker.devkit.torchvision_repair

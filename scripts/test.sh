@@ -18,7 +18,19 @@ echo "test: ruff check"
 echo "test: ruff format --check"
 "$BIN/ruff" format --check .
 echo "test: mypy"
-"$BIN/mypy" schemas preprocess mmworker
+# schemas/ and preprocess/ install as mmworker.schemas and mmworker.preprocess (pyproject's
+# package-dir), through an import hook that mypy does not follow; so mypy reads a tree of links
+# laid out as the wheel installs it (build/typeview/mmworker/{schemas,preprocess,...}).
+root=$PWD
+view=build/typeview
+rm -rf "$view"
+mkdir -p "$view/mmworker"
+for entry in mmworker/*; do
+    ln -s "$root/$entry" "$view/mmworker/"
+done
+ln -s "$root/schemas" "$view/mmworker/schemas"
+ln -s "$root/preprocess" "$view/mmworker/preprocess"
+(cd "$view" && "$root/$BIN/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p mmworker)
 if $lint_only; then
     exit 0
 fi

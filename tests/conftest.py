@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mmworker.broker import EmbeddedBroker
+from mmworker.devkit.broker import EmbeddedBroker
 
 #: Group settings for the test broker (FIELD-NOTES §2): every join waits ~half the session timeout.
 GROUP_SETTINGS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}

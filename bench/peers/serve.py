@@ -125,7 +125,7 @@ def wait_healthy(proc: Any, port: int, timeout_s: float) -> float:
 
 
 def message(kind: str, path: Path) -> list[dict[str, Any]]:
-    from schemas import DEFAULT_PROMPTS
+    from mmworker.schemas import DEFAULT_PROMPTS
 
     if kind == "image":
         data = base64.b64encode(path.read_bytes()).decode()
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=OUT / "serve-peer.json")
     opts = p.parse_args(argv)
     from bench.e2e import resolve_model_path
-    from mmworker.broker import free_port
+    from mmworker.devkit.broker import free_port
 
     opts.model_path = resolve_model_path(opts.model)
     peer = label(opts.api_servers, opts.renderer_threads)

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from mmworker.config import TINY_MODEL, EngineConfig
+from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
 from mmworker.engine import frontend, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.errors import EngineFatal, RequestFailed
-from preprocess.params import PreparedImage, PreparedVideo
-from schemas import GenerationParams
+from mmworker.preprocess.params import PreparedImage, PreparedVideo
+from mmworker.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +57,12 @@ class EngineOutput:
 
 
 def resolve_model(model: str, cache_dir: Path) -> str:
-    """'tiny' → the random test model, built once under the cache directory."""
+    """'tiny' → the random test model's directory under the cache. Building it is development
+    tooling (`mmworker.devkit.tiny_model.ensure_tiny_model`, which `mmworker run` calls first),
+    so the runtime only names the place."""
     if model != TINY_MODEL:
         return model
-    from mmworker.tiny_model import build_tiny_model
-
-    target = cache_dir / "tiny-qwen2.5-vl"
-    if not (target / "config.json").exists():
-        build_tiny_model(target)
-    return str(target)
+    return str(tiny_model_dir(cache_dir))
 
 
 class Engine:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import JsonValue
 
 from mmworker.errors import IncompleteOutput, InvalidResponseFormat
-from schemas.job import ChoiceFormat, JsonSchemaFormat, ResponseFormat
+from mmworker.schemas.job import ChoiceFormat, JsonSchemaFormat, ResponseFormat
 
 if TYPE_CHECKING:
     from mmworker.config import StructuredOutputConfig

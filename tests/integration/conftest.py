@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from mmworker.tiny_model import build_tiny_model
+from mmworker.devkit.tiny_model import build_tiny_model
 
 #: KV cache size for test engines: on CPU the default (a fraction of host RAM) fails when that much
 #: is not free, and 256 MiB holds 128 requests of 4096 tokens for the tiny model.

@@ -25,13 +25,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
 from mmworker.backfill import journal_path
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image
 from mmworker.kafka_io import ensure_topics
-from mmworker.samples import sample_image
-from schemas import GenerationParams, Job, MediaRef
 from tests.integration.workerkit import Collector, Posted, WorkerProcess, post
 
 pytestmark = pytest.mark.integration

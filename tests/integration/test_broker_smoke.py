@@ -9,8 +9,8 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.kafka_io import ensure_topics
 from tests.conftest import GROUP_SETTINGS
 

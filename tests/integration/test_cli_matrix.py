@@ -21,11 +21,11 @@ from typing import IO
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 
-from mmworker.broker import EmbeddedBroker, free_port
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker, free_port
+from mmworker.devkit.samples import sample_image
 from mmworker.errors import ConfigError
 from mmworker.kafka_io import check_brokers, ensure_topics
-from mmworker.samples import sample_image
 
 pytestmark = pytest.mark.integration
 

@@ -9,12 +9,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mmworker.schemas import Job
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image, sample_video
 from mmworker.kafka_io import ensure_topics
-from mmworker.samples import sample_image, sample_video
-from schemas import Job
 
 pytestmark = pytest.mark.integration
 

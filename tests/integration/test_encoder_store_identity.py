@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mmworker.preprocess.params import ImageParams, PreparedImage
+from mmworker.schemas import GenerationParams
 
 from mmworker.cache import make_key
 from mmworker.config import EngineConfig
+from mmworker.devkit.tiny_model import build_tiny_model
 from mmworker.engine import Engine, EngineItem
 from mmworker.engine.encoder_store import FILE_NAME
 from mmworker.engine.identity import IDENTITY_FILE
-from mmworker.tiny_model import build_tiny_model
-from preprocess.params import ImageParams, PreparedImage
-from schemas import GenerationParams
 from tests.integration.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 
 pytestmark = [

@@ -15,8 +15,8 @@ import uuid
 import pytest
 from kafka import KafkaConsumer
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.kafka_io import close_consumer, ensure_topics
 
 pytestmark = pytest.mark.integration

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker
-from mmworker.samples import sample_image
-from schemas import GenerationParams, Job, MediaRef
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image
 from tests.integration.workerkit import (
     Collector,
     Posted,

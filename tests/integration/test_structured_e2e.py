@@ -18,11 +18,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+from mmworker.schemas import ErrorCode, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker
-from mmworker.samples import sample_image
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image
 from mmworker.tools import summarise
-from schemas import ErrorCode, Job, MediaRef
 from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post
 
 pytestmark = pytest.mark.integration

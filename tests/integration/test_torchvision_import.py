@@ -1,4 +1,4 @@
-"""The CUDA-stub repair (mmworker.torchvision_repair) leaves a venv where vLLM imports.
+"""The CUDA-stub repair (mmworker.devkit.torchvision_repair) leaves a venv where vLLM imports.
 
 Checked in fresh interpreters: a failed extension load poisons the process that tried it.
 """
@@ -48,7 +48,7 @@ def test_torchvision_and_vllm_import_and_nms_runs_on_cpu() -> None:
 
 def test_repair_is_idempotent() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "mmworker.torchvision_repair"],
+        [sys.executable, "-m", "mmworker.devkit.torchvision_repair"],
         capture_output=True,
         text=True,
         check=False,

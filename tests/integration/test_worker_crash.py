@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker
-from mmworker.samples import sample_image, sample_video
-from schemas import GenerationParams, Job, MediaRef
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image, sample_video
 from tests.integration.workerkit import (
     Collector,
     Posted,

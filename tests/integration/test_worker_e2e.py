@@ -8,10 +8,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker, free_port
-from mmworker.samples import sample_image, sample_video
-from schemas import GenerationParams, Job, MediaRef
+from mmworker.devkit.broker import EmbeddedBroker, free_port
+from mmworker.devkit.samples import sample_image, sample_video
 from tests.integration.workerkit import (
     Collector,
     Posted,

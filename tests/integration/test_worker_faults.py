@@ -13,11 +13,11 @@ import zlib
 from pathlib import Path
 
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker
-from mmworker.demo import worker_command
-from mmworker.samples import sample_image
-from schemas import GenerationParams, Job, MediaRef
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.demo import worker_command
+from mmworker.devkit.samples import sample_image
 from tests.integration.workerkit import (
     Collector,
     Posted,

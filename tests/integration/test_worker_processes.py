@@ -9,10 +9,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.broker import EmbeddedBroker, free_port
-from mmworker.samples import sample_image
-from schemas import GenerationParams, Job, MediaRef
+from mmworker.devkit.broker import EmbeddedBroker, free_port
+from mmworker.devkit.samples import sample_image
 from tests.integration.workerkit import (
     Collector,
     Posted,

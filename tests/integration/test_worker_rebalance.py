@@ -14,14 +14,14 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.structs import TopicPartition
+from mmworker.schemas import SourceCoords
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import load_config
+from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.exits import ExitCode
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.metrics import Metrics
 from mmworker.worker import Worker
-from schemas import SourceCoords
 from tests.conftest import GROUP_SETTINGS
 from tests.unit.loopkit import ScriptedRunner
 

@@ -20,7 +20,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 
 from mmworker.config import KafkaConfig
-from mmworker.demo import worker_command
+from mmworker.devkit.demo import worker_command
 from mmworker.kafka_io import ensure_topics
 
 PARTITIONS = 3

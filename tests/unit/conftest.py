@@ -5,8 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-
-from preprocess import fetch
+from mmworker.preprocess import fetch
 
 
 @pytest.fixture(autouse=True)

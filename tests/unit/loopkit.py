@@ -14,6 +14,9 @@ from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
+from mmworker.schemas import Failure, Result, SourceCoords
+from mmworker.schemas.codes import ErrorCode
+
 from mmworker.config import WorkerConfig, load_config
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
@@ -21,8 +24,6 @@ from mmworker.offsets import TopicPartition
 from mmworker.records import Context
 from mmworker.suspects import suspect_key
 from mmworker.worker import Worker
-from schemas import Failure, Result, SourceCoords
-from schemas.codes import ErrorCode
 
 INPUT, OUTPUT, DLQ = "jobs", "out", "dlq"
 

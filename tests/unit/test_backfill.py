@@ -11,6 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mmworker.schemas import Failure, Job, Result, SourceCoords, Timings, Usage
+from mmworker.schemas.codes import ErrorCode
 
 from mmworker.backfill import (
     INVALID_ROW,
@@ -33,9 +35,7 @@ from mmworker.backfill import (
     repost_due,
     write_output,
 )
-from mmworker.samples import sample_image
-from schemas import Failure, Job, Result, SourceCoords, Timings, Usage
-from schemas.codes import ErrorCode
+from mmworker.devkit.samples import sample_image
 
 ROWS: list[dict[str, object]] = [
     {"id": "a", "path": "img/a.jpg", "album": "x", "opts": {"max_tokens": 4}},

@@ -12,6 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mmworker.preprocess.params import (
+    PREPROCESS_VERSION,
+    ImageParams,
+    PreparedImage,
+    PreparedVideo,
+    VideoParams,
+)
 
 from mmworker.cache import (
     STALE_TMP_S,
@@ -20,13 +27,6 @@ from mmworker.cache import (
     FeatureCache,
     NullFeatureCache,
     make_key,
-)
-from preprocess.params import (
-    PREPROCESS_VERSION,
-    ImageParams,
-    PreparedImage,
-    PreparedVideo,
-    VideoParams,
 )
 
 MB = 1024 * 1024

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from mmworker import __version__, logs
-from mmworker.broker import free_port
 from mmworker.cli import build_parser, main
+from mmworker.devkit.broker import free_port
+from mmworker.devkit.samples import sample_image, sample_video
 from mmworker.errors import ConfigError
 from mmworker.metrics import Metrics
-from mmworker.samples import sample_image, sample_video
 from mmworker.tools import expand_sources, media_ref, summarise, unreadable_by_worker
 from tests import media_images as mi
 from tests import media_videos as mv

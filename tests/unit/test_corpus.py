@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mmworker.preprocess.errors import PreprocessError
+from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker.preprocess.prepare import prepare_media
+from mmworker.preprocess.tokens import image_tokens, video_tokens
+from mmworker.schemas.codes import ErrorCode
 
 from mmworker.config import PreprocessConfig
-from preprocess.errors import PreprocessError
-from preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from preprocess.prepare import prepare_media
-from preprocess.tokens import image_tokens, video_tokens
-from schemas.codes import ErrorCode
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 FILES = CORPUS / "files"

@@ -11,19 +11,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from preprocess import fetch
-from preprocess.errors import (
+from mmworker.preprocess import fetch
+from mmworker.preprocess.errors import (
     ChecksumMismatch,
     FetchFailed,
     FetchTimeout,
     ForbiddenUri,
     TooLarge,
 )
-from preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason, sha256_hex
-from preprocess.params import FetchPolicy
-from schemas.codes import ErrorCode
-from schemas.job import MediaRef
+from mmworker.preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason, sha256_hex
+from mmworker.preprocess.params import FetchPolicy
+from mmworker.schemas.codes import ErrorCode
+from mmworker.schemas.job import MediaRef
 
 BODY = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8
 

@@ -16,12 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from mmworker.cache import DiskFeatureCache
-from mmworker.config import PreprocessConfig
-from mmworker.media import MediaStage
-from preprocess import fetch
-from preprocess.errors import (
+from mmworker.preprocess import fetch
+from mmworker.preprocess.errors import (
     BadResponse,
     FetchAborted,
     FetchTimeout,
@@ -29,10 +25,14 @@ from preprocess.errors import (
     PreprocessError,
     TooLarge,
 )
-from preprocess.fetch import FetchHandle, fetch_bytes
-from preprocess.params import FetchPolicy
-from schemas import Job, MediaRef
-from schemas.codes import ErrorCode
+from mmworker.preprocess.fetch import FetchHandle, fetch_bytes
+from mmworker.preprocess.params import FetchPolicy
+from mmworker.schemas import Job, MediaRef
+from mmworker.schemas.codes import ErrorCode
+
+from mmworker.cache import DiskFeatureCache
+from mmworker.config import PreprocessConfig
+from mmworker.media import MediaStage
 
 #: A deadline much shorter than what each dripping server would take to finish.
 DEADLINE = 0.6

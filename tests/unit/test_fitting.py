@@ -23,18 +23,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-
-from mmworker.cache import DiskFeatureCache, make_key
-from mmworker.config import PreprocessConfig
-from mmworker.engine import EngineOutput
-from mmworker.jobs import JobRunner
-from mmworker.media import MediaStage, PreparedMedia
-from mmworker.metrics import Metrics
-from mmworker.records import Context, media_facts
-from mmworker.samples import sample_image
-from preprocess.errors import TooManyVisualTokens
-from preprocess.image import prepare_image
-from preprocess.params import (
+from mmworker.preprocess.errors import TooManyVisualTokens
+from mmworker.preprocess.image import prepare_image
+from mmworker.preprocess.params import (
     FRAME_FACTOR,
     ImageParams,
     PreparedVideo,
@@ -44,10 +35,19 @@ from preprocess.params import (
     video_pixel_floor,
     video_token_ceiling,
 )
-from preprocess.resize import smart_resize
-from preprocess.tokens import fair_shares, image_tokens, resized, video_tokens
-from preprocess.video import prepare_video
-from schemas import Failure, Job, MediaRef, Result, SourceCoords
+from mmworker.preprocess.resize import smart_resize
+from mmworker.preprocess.tokens import fair_shares, image_tokens, resized, video_tokens
+from mmworker.preprocess.video import prepare_video
+from mmworker.schemas import Failure, Job, MediaRef, Result, SourceCoords
+
+from mmworker.cache import DiskFeatureCache, make_key
+from mmworker.config import PreprocessConfig
+from mmworker.devkit.samples import sample_image
+from mmworker.engine import EngineOutput
+from mmworker.jobs import JobRunner
+from mmworker.media import MediaStage, PreparedMedia
+from mmworker.metrics import Metrics
+from mmworker.records import Context, media_facts
 from tests.unit.loopkit import config
 
 #: A minute of 480×360 video at 5 fps, a key frame a second: Qwen's 2 fps rule plans 120 frames

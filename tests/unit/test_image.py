@@ -4,14 +4,14 @@ import io
 
 import numpy as np
 import pytest
+from mmworker.preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
+from mmworker.preprocess.image import prepare_image
+from mmworker.preprocess.params import ImageParams
+from mmworker.preprocess.resize import smart_resize
+from mmworker.preprocess.tokens import image_tokens
+from mmworker.schemas.codes import ErrorCode
 from PIL import Image, ImageOps, JpegImagePlugin
 
-from preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
-from preprocess.image import prepare_image
-from preprocess.params import ImageParams
-from preprocess.resize import smart_resize
-from preprocess.tokens import image_tokens
-from schemas.codes import ErrorCode
 from tests import media_images as imgs
 
 DEFAULT = ImageParams()
@@ -283,7 +283,7 @@ def test_a_cap_below_the_models_floor_settles_where_the_engine_keeps_it(
 ) -> None:
     """vLLM re-runs smart_resize with the model's bounds; the size we pick must be its fixed point,
     or the tokens the worker counts are not the ones the engine uses."""
-    from preprocess.params import MIN_PIXELS
+    from mmworker.preprocess.params import MIN_PIXELS
 
     data = io.BytesIO()
     Image.new("RGB", (width, height), (40, 90, 200)).save(data, format="PNG")

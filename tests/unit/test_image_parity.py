@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mmworker.preprocess.errors import BadAspectRatio
+from mmworker.preprocess.image import prepare_image
+from mmworker.preprocess.params import MAX_PIXELS, MIN_PIXELS, ImageParams
+from mmworker.preprocess.resize import smart_resize
 
-from preprocess.errors import BadAspectRatio
-from preprocess.image import prepare_image
-from preprocess.params import MAX_PIXELS, MIN_PIXELS, ImageParams
-from preprocess.resize import smart_resize
 from tests import media_images as imgs
 
 HF_MIN, HF_MAX = 56 * 56, 28 * 28 * 1280  # transformers' own defaults, a second parameter set

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from mmworker.schemas import Failure, GenerationParams, Job, MediaRef, SourceCoords
 
 from mmworker.engine import _check_finished
 from mmworker.errors import RequestFailed
 from mmworker.jobs import JobRunner
 from mmworker.metrics import Metrics
 from mmworker.records import Context
-from schemas import Failure, GenerationParams, Job, MediaRef, SourceCoords
 from tests.unit.loopkit import config
 
 CTX = Context(SourceCoords(topic="jobs", partition=0, offset=1), None, "w", "tiny", None)

@@ -19,21 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mmworker.preprocess.errors import PreprocessError, UndecodableImage
+from mmworker.preprocess.prepare import prepare_media
+from mmworker.schemas import Job, MediaRef
+from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
 
 from mmworker import media as media_module
 from mmworker.cache import NullFeatureCache
 from mmworker.config import PreprocessConfig
+from mmworker.devkit.samples import sample_image
 from mmworker.errors import PreprocessPoolDead
 from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner
 from mmworker.media import DecodePool, MediaStage, PreparedMedia
 from mmworker.metrics import Metrics
-from mmworker.samples import sample_image
 from mmworker.worker import Worker
-from preprocess.errors import PreprocessError, UndecodableImage
-from preprocess.prepare import prepare_media
-from schemas import Job, MediaRef
-from schemas.codes import RETRYABLE_CODES, ErrorCode
 from tests.unit.loopkit import DLQ, Clients, Consumer, Producer, Suspects, config, run_until
 
 _HOOK_DIR = "MMWORKER_TEST_POOL_HOOK_DIR"

@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from mmworker.preprocess.errors import ForbiddenUri, UndecodableImage
+from mmworker.schemas import Job, MediaRef
 
 from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig
+from mmworker.devkit.samples import sample_image
 from mmworker.media import MediaStage, PreparedMedia
-from mmworker.samples import sample_image
-from preprocess.errors import ForbiddenUri, UndecodableImage
-from schemas import Job, MediaRef
 
 
 def _stage(tmp_path: Path, roots: tuple[Path, ...]) -> tuple[MediaStage, ThreadPoolExecutor]:
@@ -154,8 +154,9 @@ def test_a_failed_shared_decode_fails_every_waiter_with_the_same_typed_error(
 
 
 def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Path) -> None:
+    from mmworker.preprocess.tokens import image_tokens
+
     from mmworker.media import TokenBudget
-    from preprocess.tokens import image_tokens
 
     data = sample_image(1280, 960, seed=11)
     stage, pool = _stage(tmp_path, ())
@@ -174,9 +175,10 @@ def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Pa
 def test_features_prepared_without_a_budget_serve_a_budget_they_fit(tmp_path: Path) -> None:
     """Jobs that differ only in max_tokens (a budget that might bind, so part of the key) must
     still share features when the unfitted ones fit: fitting would have changed nothing."""
+    from mmworker.preprocess.tokens import video_tokens
+
+    from mmworker.devkit.samples import sample_video
     from mmworker.media import TokenBudget
-    from mmworker.samples import sample_video
-    from preprocess.tokens import video_tokens
 
     stage, pool = _stage(tmp_path, ())
     job = Job(job_id="v", media=[MediaRef(data=sample_video(seconds=3))])

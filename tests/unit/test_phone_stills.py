@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mmworker.preprocess import image as image_module
+from mmworker.preprocess.errors import TooLarge, UndecodableImage
+from mmworker.preprocess.image import prepare_image
+from mmworker.preprocess.params import ImageParams, VideoParams
+from mmworker.preprocess.prepare import prepare_media
+from mmworker.schemas.codes import ErrorCode
 from PIL import Image
 
-from preprocess import image as image_module
-from preprocess.errors import TooLarge, UndecodableImage
-from preprocess.image import prepare_image
-from preprocess.params import ImageParams, VideoParams
-from preprocess.prepare import prepare_media
-from schemas.codes import ErrorCode
 from tests import media_images as imgs
 
 DEFAULT = ImageParams()

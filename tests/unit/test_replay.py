@@ -6,11 +6,11 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from mmworker.schemas import Failure, SourceCoords
+from mmworker.schemas.codes import ErrorCode
 
 from mmworker.errors import ConfigError
 from mmworker.replay import Selection, parse_codes, parse_when, refusal, replay_payload
-from schemas import Failure, SourceCoords
-from schemas.codes import ErrorCode
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

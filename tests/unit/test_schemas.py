@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-from schemas import (
+from mmworker.schemas import (
     SCHEMA_VERSION,
     ErrorCode,
     Failure,
@@ -18,7 +17,7 @@ from schemas import (
     UnsupportedVersion,
     parse_job,
 )
-from schemas.export import JSON_DIR, MODELS, render
+from mmworker.schemas.export import JSON_DIR, MODELS, render
 
 
 def _job(**over: object) -> bytes:
@@ -140,7 +139,9 @@ def test_failure_payload_round_trips_and_is_bounded() -> None:
 def test_committed_json_schemas_are_current() -> None:
     for name, model in MODELS.items():
         path = JSON_DIR / f"{name}.schema.json"
-        assert path.read_text() == render(model), f"{path} is stale: run python -m schemas.export"
+        assert path.read_text() == render(model), (
+            f"{path} is stale: run python -m mmworker.schemas.export"
+        )
 
 
 def test_schemas_and_preprocess_import_no_heavy_packages() -> None:

@@ -6,10 +6,10 @@ import io
 import av
 import numpy as np
 import pytest
+from mmworker.preprocess.errors import UnsupportedMedia
+from mmworker.preprocess.sniff import MediaType, sniff
+from mmworker.schemas.codes import ErrorCode
 
-from preprocess.errors import UnsupportedMedia
-from preprocess.sniff import MediaType, sniff
-from schemas.codes import ErrorCode
 from tests import media_images as imgs
 
 

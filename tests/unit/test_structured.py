@@ -18,10 +18,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mmworker.schemas import (
+    DEFAULT_PROMPTS,
+    ChoiceFormat,
+    ErrorCode,
+    Failure,
+    Job,
+    JsonSchemaFormat,
+    RegexFormat,
+    Result,
+    SourceCoords,
+    parse_job,
+)
+from mmworker.schemas.errors import InvalidSchema
 from pydantic import ValidationError
 
 from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig, StructuredOutputConfig, WorkerConfig, load_config
+from mmworker.devkit.samples import sample_image
+from mmworker.devkit.tiny_model import build_tiny_model
 from mmworker.engine import EngineOutput
 from mmworker.engine.guidance import (
     ENGINE_STRUCTURED_OUTPUTS,
@@ -36,24 +51,9 @@ from mmworker.jobs import JobRunner
 from mmworker.media import MediaStage
 from mmworker.metrics import Metrics
 from mmworker.records import Context
-from mmworker.samples import sample_image
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import plan_job
-from mmworker.tiny_model import build_tiny_model
 from mmworker.tools import fields, summarise
-from schemas import (
-    DEFAULT_PROMPTS,
-    ChoiceFormat,
-    ErrorCode,
-    Failure,
-    Job,
-    JsonSchemaFormat,
-    RegexFormat,
-    Result,
-    SourceCoords,
-    parse_job,
-)
-from schemas.errors import InvalidSchema
 from tests.unit.loopkit import config
 
 TAGS = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmworker.tiny_model import SPECIAL_TOKENS, build_tiny_model
+from mmworker.devkit.tiny_model import SPECIAL_TOKENS, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

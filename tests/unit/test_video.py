@@ -17,25 +17,24 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-
-from preprocess.errors import (
+from mmworker.preprocess.errors import (
     NoFrames,
     PreprocessError,
     TooLarge,
     UndecodableVideo,
     UnsupportedMedia,
 )
-from preprocess.params import (
+from mmworker.preprocess.params import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VIDEO_TOTAL_PIXELS,
     PreparedVideo,
     VideoParams,
 )
-from preprocess.resize import smart_resize
-from preprocess.video import DecodeStats, frame_max_pixels, prepare_video
-from schemas.codes import ErrorCode
-from schemas.job import VideoStrategy
+from mmworker.preprocess.resize import smart_resize
+from mmworker.preprocess.video import DecodeStats, frame_max_pixels, prepare_video
+from mmworker.schemas.codes import ErrorCode
+from mmworker.schemas.job import VideoStrategy
 
 AV1 = mv.av1_encoder()
 CODECS = [

@@ -23,10 +23,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-
-from preprocess.params import PreparedVideo, VideoParams
-from preprocess.tokens import video_tokens
-from preprocess.video import prepare_video
+from mmworker.preprocess.params import PreparedVideo, VideoParams
+from mmworker.preprocess.tokens import video_tokens
+from mmworker.preprocess.video import prepare_video
 
 
 def _import_failure(module: str) -> str | None:
@@ -146,7 +145,7 @@ def vllm_processor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    from mmworker.tiny_model import build_tiny_model
+    from mmworker.devkit.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen") / "model")
     config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), max_model_len=32768)

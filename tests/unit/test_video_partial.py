@@ -16,12 +16,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-
-from preprocess.errors import UndecodableVideo
-from preprocess.params import ImageParams, PreparedVideo, VideoParams
-from preprocess.prepare import prepare_media
-from preprocess.video import prepare_video
-from schemas.codes import ErrorCode
+from mmworker.preprocess.errors import UndecodableVideo
+from mmworker.preprocess.params import ImageParams, PreparedVideo, VideoParams
+from mmworker.preprocess.prepare import prepare_media
+from mmworker.preprocess.video import prepare_video
+from mmworker.schemas.codes import ErrorCode
 
 
 @cache

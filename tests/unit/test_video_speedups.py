@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import mmworker.preprocess.video as video
 import numpy as np
 import pytest
+from mmworker.preprocess.params import VideoParams
 
-import preprocess.video as video
-from preprocess.params import VideoParams
 from tests.media_videos import encode_video
 
 

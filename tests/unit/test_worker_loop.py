@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 from kafka.errors import MessageSizeTooLargeError
+from mmworker.schemas import SourceCoords
+from mmworker.schemas.codes import ErrorCode
 
 from mmworker.errors import EngineFatal
 from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner
 from mmworker.offsets import TopicPartition
 from mmworker.suspects import suspect_key
-from schemas import SourceCoords
-from schemas.codes import ErrorCode
 from tests.unit.loopkit import (
     DLQ,
     INPUT,

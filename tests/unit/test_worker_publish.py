@@ -17,6 +17,7 @@ from kafka.errors import (
     MessageSizeTooLargeError,
     TopicAuthorizationFailedError,
 )
+from mmworker.schemas import Result
 
 from mmworker.config import WorkerConfig, load_config
 from mmworker.exits import ExitCode
@@ -25,7 +26,6 @@ from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition
 from mmworker.records import Context
 from mmworker.worker import Worker
-from schemas import Result
 from tests.unit.loopkit import Producer, Suspects
 
 OUTPUT, DLQ = "out", "dlq"

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
 
-from mmworker.broker import EmbeddedBroker
 from mmworker.config import KafkaConfig
+from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image, sample_video
 from mmworker.kafka_io import ensure_topics
-from mmworker.samples import sample_image, sample_video
+from mmworker.schemas import GenerationParams, Job, MediaRef
 from mmworker.tools import summarise
-from schemas import GenerationParams, Job, MediaRef
 
 TOPICS = {"input": "demo.jobs", "output": "demo.results", "dlq": "demo.dead-letter"}
 DEADLINE_S = 600.0
