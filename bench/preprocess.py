@@ -55,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 from mmworker.preprocess.image import prepare_image  # noqa: E402
 from mmworker.preprocess.params import ImageParams, VideoParams  # noqa: E402
 from mmworker.preprocess.resize import smart_resize  # noqa: E402
-from mmworker.preprocess.video import _usable_cores as video_cores  # noqa: E402
 from mmworker.preprocess.video import frame_max_pixels, prepare_video  # noqa: E402
+from mmworker.preprocess.video.schedule import usable_cores as video_cores  # noqa: E402
 
 from mmworker.devkit.samples import sample_image  # noqa: E402
 
@@ -521,7 +521,7 @@ def decode_floor(ours: Peer) -> Peer:
     returning the exact frames must decode.
     Spread perfectly over every core, its CPU time bounds the wall time of every exact sampler.
     """
-    import mmworker.preprocess.video as video_module
+    from mmworker.preprocess.video import decode, schedule
 
     def blank(frame: Any, size: tuple[int, int], ops: Any) -> Pixels:
         del frame, ops
@@ -530,9 +530,9 @@ def decode_floor(ours: Peer) -> Peer:
     return _patched(
         ours.run,
         {
-            (video_module, "DECODE_THREADS"): 1,
-            (video_module, "ThreadPoolExecutor"): _InlineExecutor,
-            (video_module, "_to_pixels"): blank,
+            (schedule, "DECODE_THREADS"): 1,
+            (decode, "ThreadPoolExecutor"): _InlineExecutor,
+            (decode, "_to_pixels"): blank,
         },
     )
 
@@ -622,7 +622,7 @@ def ablation_cases(
     which work is done and where, never the output.
     """
     import mmworker.preprocess.image as image_module
-    import mmworker.preprocess.video as video_module
+    from mmworker.preprocess.video import decode, schedule
 
     cases = image_cases([p for p in photos if p[2] is IMAGE_PARAMS])
     for case in cases:
@@ -633,9 +633,9 @@ def ablation_cases(
                 ours.run, {(image_module, "DRAFT_MIN_SHRINK"): 10**9}
             ),
         }
-    single = {(video_module, "DECODE_THREADS"): 1}
-    inline = {(video_module, "ThreadPoolExecutor"): _InlineExecutor}
-    no_skip = {(video_module, "NONREF_SKIP_CODECS"): frozenset[str]()}
+    single = {(schedule, "DECODE_THREADS"): 1}
+    inline = {(decode, "ThreadPoolExecutor"): _InlineExecutor}
+    no_skip = {(decode, "NONREF_SKIP_CODECS"): frozenset[str]()}
     for case in video_cases(videos):
         ours = case.peers["mmworker"]
         case.peers = {

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from mmworker import lifeline, logs
+from mmworker import health, lifeline, logs
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
@@ -51,11 +51,16 @@ def encoder_store_dir(cfg: WorkerConfig) -> Path | None:
     return path
 
 
-async def _prune_forever(root: Path, max_bytes: int, pool: ThreadPoolExecutor) -> None:
+async def _prune_forever(
+    root: Path, max_bytes: int, pool: ThreadPoolExecutor, metrics: Metrics
+) -> None:
     loop = asyncio.get_running_loop()
+    kept = metrics.encoder_store_bytes.set
     while True:
         try:
-            freed = await loop.run_in_executor(pool, prune_lru_files, root, max_bytes)
+            freed = await loop.run_in_executor(
+                pool, lambda: prune_lru_files(root, max_bytes, kept=kept)
+            )
         except OSError as exc:  # e.g. permissions: keep serving, try again next round
             log.warning("encoder store: pruning failed: %s", exc)
         else:
@@ -83,6 +88,13 @@ async def _summarise_forever(metrics: Metrics, every_s: float = SUMMARY_EVERY_S)
         last = ok + failed
 
 
+async def _beat_forever(state: health.Health) -> None:
+    """The event loop's proof of life for /livez (see mmworker.health)."""
+    while True:
+        state.beat()
+        await asyncio.sleep(state.beat_every_s())
+
+
 def model_cache_dir() -> Path:
     """Where the `tiny` test model is built once per machine."""
     return cache_home() / "mmworker" / "models"
@@ -101,7 +113,9 @@ def run_worker(
     hooks `mmworker.processes` uses to start several engines one at a time and then consume.
     `core`: attach to the supervisor's shared engine core instead of starting an engine.
     """
-    logs.quiet_libraries(cfg.log_level)  # before vLLM starts: its processes read it at start
+    logs.quiet_libraries(
+        cfg.log_level, cfg.logging.format
+    )  # before vLLM starts: its processes read it at start
     return asyncio.run(_serve(cfg, create_topics, ready, go, core))
 
 
@@ -114,9 +128,16 @@ async def _serve(
 ) -> int:
     # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
     metrics = Metrics()
+    probes = health.Health(cfg.health)
+    metrics.ready.set_function(probes.ready)
+    beating = asyncio.create_task(_beat_forever(probes))
+    server = None
     if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port)
+        # First: /startupz must answer during the model load it reports on.
+        server = health.serve(cfg.metrics_port, metrics.registry, probes)
     cache = make_cache(cfg)
+    metrics.feature_cache_bytes.set_function(lambda: cache.stats().bytes)
+    metrics.feature_cache_entries.set_function(lambda: cache.stats().entries)
     # spawn: pool processes must not inherit the engine's threads or CUDA state. A DecodePool
     # replaces the pool when one of its processes dies (mmworker.media.DecodePool).
     cpu_pool = DecodePool(
@@ -124,6 +145,7 @@ async def _serve(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=lifeline.pool_child,
+            initargs=(cfg.log_level, cfg.logging.format),
         ),
         cfg.preprocess.workers,
     )
@@ -134,7 +156,9 @@ async def _serve(
     pruning = None
     summary: asyncio.Task[None] | None = None
     if store is not None:
-        pruning = asyncio.create_task(_prune_forever(store, cfg.cache.encoder_max_bytes, io_pool))
+        pruning = asyncio.create_task(
+            _prune_forever(store, cfg.cache.encoder_max_bytes, io_pool, metrics)
+        )
     try:
         warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
@@ -145,13 +169,18 @@ async def _serve(
             resolve_model(cfg.engine.model, model_cache_dir()),
             encoder_store=store,
             core=core,
+            # A progress bar is a terminal's; in a JSON log it is a line no parser can read.
+            progress_bars=cfg.logging.format == "text",
         )
         check_interrupted()
         engine.start()
         check_interrupted()
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
+        metrics.watch_engine(engine.state)
+        probes.engine = health.EngineProbe(alive=engine.alive, progress=engine.progress)
         for f in warming:
             f.result()
+        probes.started = True
         if ready is not None:
             ready()
         if go is not None:
@@ -162,7 +191,7 @@ async def _serve(
         runner = JobRunner(cfg, engine, media, metrics)
         await runner.check_tasks()
         check_interrupted()
-        worker = Worker(cfg, runner, metrics, model=cfg.engine.model)
+        worker = Worker(cfg, runner, metrics, model=cfg.engine.model, health=probes)
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))
         code = await worker.run()
@@ -173,6 +202,10 @@ async def _serve(
         )  # fmt: skip
         return code
     finally:
+        probes.stopping = True
+        beating.cancel()
+        if server is not None:
+            server.shutdown()
         if summary is not None:
             summary.cancel()
         if pruning is not None:

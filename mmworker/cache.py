@@ -499,12 +499,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def prune_lru_files(root: Path, max_bytes: int, keep_recent_s: float = 300.0) -> int:
+def prune_lru_files(
+    root: Path,
+    max_bytes: int,
+    keep_recent_s: float = 300.0,
+    kept: Callable[[int], object] | None = None,
+) -> int:
     """Delete the least recently used files under `root` until the rest fit in `max_bytes`.
 
     For stores written by other processes (vLLM's encoder outputs), where no in-process index
     exists: recency is the mtime, which a hit refreshes. Files used within `keep_recent_s` stay
-    even over budget, because a reader may have just decided to load them. Returns bytes freed.
+    even over budget, because a reader may have just decided to load them. Returns bytes freed;
+    `kept` is told the bytes that remain (the store's size, without a second walk).
     """
     entries = []
     for path in root.rglob("*"):
@@ -525,4 +531,6 @@ def prune_lru_files(root: Path, max_bytes: int, keep_recent_s: float = 300.0) ->
                 path.parent.rmdir()
         total -= size
         freed += size
+    if kept is not None:
+        kept(total)
     return freed

@@ -58,8 +58,6 @@ _METAVARS = {
 BROKER_CHECK_S = 10.0
 #: How long `run` waits for the Hugging Face Hub to confirm a model it must download.
 HUB_CHECK_S = 10.0
-#: Exit code of a command whose reader went away (`mmworker tail | head`), as if by SIGPIPE.
-EXIT_PIPE_CLOSED = 141
 
 
 class _Help(argparse.HelpFormatter):
@@ -307,7 +305,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mmworker.config import TINY_MODEL
 
     cfg = _load(args)
-    logs.setup(cfg.log_level)
+    logs.setup(cfg.log_level, fmt=cfg.logging.format)
     check_model(cfg.engine.model, setting_source("engine.model", args))
     _check_brokers(cfg, args)
     if cfg.engine.model == TINY_MODEL:  # the embedded default: development tooling builds it
@@ -315,7 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from mmworker.devkit.tiny_model import ensure_tiny_model
 
         ensure_tiny_model(model_cache_dir())
-    logs.quiet_libraries(cfg.log_level)
+    logs.quiet_libraries(cfg.log_level, cfg.logging.format)
     if cfg.processes > 1:
         from mmworker.processes import run_processes
 
@@ -607,7 +605,7 @@ def _main(argv: list[str] | None) -> int:
         # The reader (`| head`) has gone: stop quietly, and let nothing flush into the pipe again.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_PIPE_CLOSED
+        return ExitCode.PIPE_CLOSED
 
 
 def _fail(message: str, args: argparse.Namespace) -> int:

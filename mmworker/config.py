@@ -237,6 +237,12 @@ class EngineConfig(_Section):
         "processor cache is turned off (vLLM refuses both); the feature cache and encoder store "
         "serve repeats. Unset: 1",
     )
+    stats: bool = Field(
+        True,
+        description="Run vLLM with its scheduler stats on, for the mmworker_engine_* metrics "
+        "(running, waiting, KV-cache usage, preemptions); false skips vLLM's per-step stats "
+        "work and leaves those metrics at 0",
+    )
     shared_core: bool = Field(
         False,
         description="With processes > 1: every worker process is a front end of ONE vLLM engine "
@@ -405,6 +411,32 @@ class LimitsConfig(_Section):
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
 
 
+class HealthConfig(_Section):
+    """What /livez calls wedged. Both deadlines are far above normal stalls: a failed liveness
+    probe restarts the pod, which costs a model load."""
+
+    loop_deadline_s: float = Field(
+        10.0,
+        gt=0,
+        description="/livez fails when the event loop has not run its heartbeat for this long "
+        "(a blocking call on the loop stops consuming, publishing and committing)",
+    )
+    engine_stall_s: float = Field(
+        120.0,
+        gt=0,
+        description="/livez fails when requests are in the engine and none has produced output "
+        "for this long (an engine that is alive but stuck)",
+    )
+
+
+class LoggingConfig(_Section):
+    format: Literal["text", "json"] = Field(
+        "text",
+        description="text: one readable line per record; json: one JSON object per line with "
+        "job_id, topic, partition, offset and code on job-related records (vLLM's lines too)",
+    )
+
+
 class StructuredOutputConfig(_Section):
     max_schema_bytes: int = Field(
         16 * 1024,
@@ -474,6 +506,8 @@ class WorkerConfig(BaseSettings):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tasks: dict[str, TaskConfig] = Field(
         default_factory=lambda: {name: TaskConfig(**raw) for name, raw in DEFAULT_TASKS.items()},
         description="Named prompt templates a job picks with `task`; entries given here add to "
@@ -489,7 +523,10 @@ class WorkerConfig(BaseSettings):
         None,
         ge=0,
         le=65535,
-        description="Serve Prometheus metrics here; None disables (process i of N: port + i)",
+        description="Serve Prometheus metrics (/metrics) and the health probes (/livez, "
+        "/readyz, /startupz) here; None disables. With processes > 1 the supervisor answers here "
+        "for all (probes pass only if every process passes; /metrics carries every process's "
+        "series, labelled worker_process) and process i listens on port + 1 + i",
     )
     processes: int = Field(
         1,

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker.schemas.codes import ErrorCode
+from mmworker.schemas.errors import CodedError
 
 
-class WorkerError(Exception):
+class WorkerError(CodedError):
     """Root of every error the mmworker package raises."""
 
-    code: ErrorCode = ErrorCode.INTERNAL_ERROR
-
-    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retryable = self.code in RETRYABLE_CODES if retryable is None else retryable
+    code = ErrorCode.INTERNAL_ERROR
 
 
 class ConfigError(WorkerError):

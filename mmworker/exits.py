@@ -28,6 +28,8 @@ class ExitCode(IntEnum):
     INTERNAL = 5
     #: A second SIGTERM/SIGINT: stop at once, without draining (jobs are redelivered).
     INTERRUPTED = 130
+    #: A command's reader went away (`mmworker tail | head`): what a shell reports for SIGPIPE.
+    PIPE_CLOSED = 141
 
 
 class Interrupted(BaseException):

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from mmworker import logs
 from mmworker.config import WorkerConfig
 from mmworker.engine import Engine, EngineItem
 from mmworker.engine.guidance import Checked, GrammarChecker, parse_answer
@@ -32,17 +33,17 @@ from mmworker.errors import (
 from mmworker.gate import EngineGate
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
-from mmworker.preprocess.errors import PreprocessError
 from mmworker.preprocess.tokens import fair_shares
 from mmworker.records import Context, build_failure, build_result, visual_tokens
 from mmworker.schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
 from mmworker.schemas.codes import ErrorCode
+from mmworker.schemas.errors import CodedError
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import Plan, plan_job
 
 log = logging.getLogger(__name__)
 
-_TYPED = (SchemaError, PreprocessError, WorkerError)
+_TYPED = CodedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,7 @@ class JobRunner:
             timeout = min(limits.job_timeout_s, deadline - loop.time())
             try:
                 job = parse_job(raw)
+                logs.bind_job(job_id=job.job_id)
                 result = await asyncio.wait_for(
                     self._attempt(job, ctx, broker_ts_ms, isolated), timeout=timeout
                 )

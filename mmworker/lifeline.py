@@ -49,9 +49,14 @@ def install() -> None:
         log.debug("engine process %d keeps its process group", os.getpid())
 
 
-def pool_child() -> None:
-    """Initializer of the worker's preprocessing processes: the same ties as the engine's, and
-    SIGINT ignored (a Ctrl-C would otherwise break the pool under the jobs still draining)."""
+def pool_child(level: str = "INFO", fmt: str = "text") -> None:
+    """Initializer of the worker's preprocessing processes: the same ties as the engine's,
+    SIGINT ignored (a Ctrl-C would otherwise break the pool under the jobs still draining), and
+    the worker's logging (without it a library's warning there went out bare, bypassing
+    `logging.format = "json"`)."""
+    from mmworker import logs
+
+    logs.setup(level, fmt="json" if fmt == "json" else "text")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     try:

@@ -18,12 +18,20 @@ The policy travels to vLLM's processes as environment variables, which they read
 `TRANSFORMERS_VERBOSITY`, `TORCH_CPP_LOG_LEVEL` and `PYTHONWARNINGS`. A variable a person has set
 already is left alone: an explicit choice wins over the policy.
 
-This module is imported inside vLLM's engine core too (the dictConfig names `KnownNoise`), so it
-imports nothing beyond the standard library.
+`logging.format = "json"` turns every line, vLLM's included, into one JSON object
+(python-json-logger): `time`, `level`, `logger`, `message`, `process` (the worker's tag under
+`processes > 1`), and on every record logged while a job is being worked on its `job_id`,
+`topic`, `partition`, `offset`, and `code` once it has failed: `bind_job` keeps them in a
+context variable, which asyncio copies into each job's tasks, and `JobFields` puts them on the
+records.
+
+This module is imported inside vLLM's engine core too (the dictConfig names `KnownNoise` and
+`json_formatter`), so it imports nothing beyond the standard library at import time.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import logging
@@ -32,6 +40,9 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any, Literal
+
+LogFormat = Literal["text", "json"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -89,12 +100,47 @@ class _OurHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The root handler this module installed (and may reconfigure)."""
 
 
+#: The fields of the job the current task works on (see `bind_job`).
+JOB_FIELDS = ("job_id", "topic", "partition", "offset", "code")
+_job: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("job", default=None)
+
+
+def bind_job(**fields: Any) -> None:
+    """Name the job this task (and the tasks it starts) works on, for every record it logs.
+    Fields accumulate: the source first, the job id once parsed, the code once failed."""
+    known = {k: v for k, v in fields.items() if v is not None}
+    _job.set({**(_job.get() or {}), **known})
+
+
+class JobFields(logging.Filter):
+    """Copies the bound job's fields onto each record (where the record has none of its own, so
+    an explicit `extra=` wins); never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in (_job.get() or {}).items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def json_formatter(tag: str | None = None) -> logging.Formatter:
+    """One JSON object per line. A factory (dictConfig's "()") so vLLM's processes build it too;
+    python-json-logger is imported here, not when this module is."""
+    from pythonjsonlogger.json import JsonFormatter
+
+    return JsonFormatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s",
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        static_fields={"process": tag} if tag else None,
+    )
+
+
 def library_level(level: str) -> str:
     """The level of vLLM and kafka-python for the worker's `level`."""
     return "DEBUG" if level == "DEBUG" else max(level, "WARNING", key=_LEVELS.index)
 
 
-def setup(level: str = "INFO", tag: str | None = None) -> None:
+def setup(level: str = "INFO", tag: str | None = None, fmt: LogFormat = "text") -> None:
     """This process's logging: a stderr handler with our format on the root logger (unless one is
     there already, e.g. pytest's), `KNOWN_NOISE` dropped unless DEBUG, kafka-python's level."""
     root = logging.getLogger()
@@ -103,7 +149,13 @@ def setup(level: str = "INFO", tag: str | None = None) -> None:
     name = f"[{tag}] %(name)s" if tag else "%(name)s"
     for handler in root.handlers:
         if isinstance(handler, _OurHandler):
-            handler.setFormatter(logging.Formatter(FORMAT.replace("%(name)s", name)))
+            handler.setFormatter(
+                json_formatter(tag)
+                if fmt == "json"
+                else logging.Formatter(FORMAT.replace("%(name)s", name))
+            )
+        if not any(isinstance(f, JobFields) for f in handler.filters):
+            handler.addFilter(JobFields())
     root.setLevel(level)
     _library_loggers(level)
 
@@ -122,7 +174,7 @@ def _library_loggers(level: str) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def quiet_libraries(level: str) -> None:
+def quiet_libraries(level: str, fmt: LogFormat = "text") -> None:
     """Carry the policy to the processes vLLM (and the preprocessing pool) will start, through
     the environment they inherit. Must run before vLLM is imported and its engine built."""
     _library_loggers(level)
@@ -140,14 +192,14 @@ def quiet_libraries(level: str) -> None:
             continue  # a person's choice
         chosen = value
         if key == "VLLM_LOGGING_CONFIG_PATH":
-            chosen = str(vllm_logging_config(lib, drop_noise=level != "DEBUG"))
+            chosen = str(vllm_logging_config(lib, drop_noise=level != "DEBUG", fmt=fmt))
         os.environ[key] = _SET_BY_US[key] = chosen
     for key in set(_SET_BY_US) - set(env):  # DEBUG after INFO: warnings back on
         if os.environ.get(key) == _SET_BY_US.pop(key):
             del os.environ[key]
 
 
-def vllm_logging_config(level: str, drop_noise: bool) -> Path:
+def vllm_logging_config(level: str, drop_noise: bool, fmt: LogFormat = "text") -> Path:
     """Write (once per content) the dictConfig vLLM applies in each of its processes."""
     handler: dict[str, object] = {
         "class": "logging.StreamHandler",
@@ -155,16 +207,22 @@ def vllm_logging_config(level: str, drop_noise: bool) -> Path:
         "formatter": "mmworker",
         "level": level,
     }
+    formatter: dict[str, object] = (
+        {"()": f"{__name__}.json_formatter"} if fmt == "json" else {"format": FORMAT}
+    )
     config: dict[str, object] = {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"mmworker": {"format": FORMAT}},
+        "formatters": {"mmworker": formatter},
         "handlers": {"mmworker": handler},
         "loggers": {"vllm": {"handlers": ["mmworker"], "level": level, "propagate": False}},
     }
+    filters: dict[str, object] = {"job": {"()": f"{__name__}.JobFields"}}
+    handler["filters"] = ["job"]
     if drop_noise:
-        config["filters"] = {"noise": {"()": f"{__name__}.KnownNoise"}}
-        handler["filters"] = ["noise"]
+        filters["noise"] = {"()": f"{__name__}.KnownNoise"}
+        handler["filters"] = ["job", "noise"]
+    config["filters"] = filters
     text = json.dumps(config, indent=1, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     # The file can run code (dictConfig's "()"), so it lives in a directory of this user, never

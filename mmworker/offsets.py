@@ -84,6 +84,18 @@ class OffsetTracker:
                     state.committed = offset
                     state.uncommitted = [o for o in state.uncommitted if o >= offset]
 
+    def lag_bases(self) -> dict[TopicPartition, int]:
+        """Per partition, the offset lag counts from: the last commit, or before the first one
+        the lowest offset seen (where the group's last commit left it)."""
+        with self._lock:
+            bases = {}
+            for tp, s in self._parts.items():
+                seen = [*s.uncommitted[:1], *s.pending[:1], *sorted(s.finished)[:1]]
+                base = s.committed if s.committed is not None else min(seen, default=None)
+                if base is not None:
+                    bases[tp] = base
+            return bases
+
     def forget(self, tps: list[TopicPartition]) -> None:
         """Drop partitions we no longer own; their late completions are ignored."""
         with self._lock:

@@ -26,7 +26,9 @@ from multiprocessing.synchronize import Event
 from types import FrameType
 from typing import Any
 
-from mmworker import lifeline
+from prometheus_client import CollectorRegistry
+
+from mmworker import health, lifeline, logs
 from mmworker.config import WorkerConfig
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
@@ -34,12 +36,6 @@ from mmworker.kafka_io import ensure_worker_topics
 from mmworker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_ENGINE_DEAD, EXIT_START_FAILED = (
-    ExitCode.OK,
-    ExitCode.ENGINE_DEAD,
-    ExitCode.START_FAILED,
-)
 
 
 def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
@@ -61,7 +57,8 @@ def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
             "engine": engine,
             "preprocess": preprocess,
             "worker_id": f"{cfg.worker_id}-{index}",
-            "metrics_port": port + index if port else port,
+            # The supervisor answers on `port` for all (`_serve_health`); child i on port + 1 + i.
+            "metrics_port": port + 1 + index if port else port,
         }
     )
 
@@ -69,9 +66,9 @@ def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
 def combined_exit_code(codes: list[int | None]) -> int:
     """Engine death wins (it tells the orchestrator the GPU is suspect), then any other failure."""
     real = [_as_exit_code(c) for c in codes]
-    if EXIT_ENGINE_DEAD in real:
-        return EXIT_ENGINE_DEAD
-    return max((c for c in real if c != EXIT_OK), default=EXIT_OK)
+    if ExitCode.ENGINE_DEAD in real:
+        return ExitCode.ENGINE_DEAD
+    return max((c for c in real if c != ExitCode.OK), default=ExitCode.OK)
 
 
 def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
@@ -82,10 +79,13 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     go = ctx.Event()
     children: list[BaseProcess] = []
     stopping = False
+    supervisor, server = _serve_health(cfg)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
+        if supervisor is not None:
+            supervisor.stopping = True  # the pod's /readyz fails at once
         name = signal.Signals(signum).name
         log.info("%s: passing it to %d worker processes", name, len(children))
         for child in children:
@@ -93,36 +93,58 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
                 os.kill(child.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    if cfg.engine.shared_core:
-        try:
-            return _run_shared(cfg, ctx, go, children, lambda: stopping)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
     try:
-        for index in range(cfg.processes):
-            ready = ctx.Event()
-            child = ctx.Process(
-                target=_child_main,
-                args=(child_config(cfg, index), ready, go),
-                name=f"mmworker-{index}",
-            )
-            child.start()
-            children.append(child)
-            if not _wait_ready(child, ready) or stopping:
-                log.error("worker process %d did not start (exit %s)", index, child.exitcode)
-                _terminate(children, go, cfg.limits.shutdown_grace_s + 60)
-                return combined_exit_code([c.exitcode for c in children]) or EXIT_START_FAILED
-        log.info("%d worker processes ready: consuming", len(children))
-        go.set()
-        return _supervise(
-            children,
-            lambda: stopping,
-            lambda: _terminate(children, go, cfg.limits.shutdown_grace_s + 60),
-        )
+        return _run_all(cfg, ctx, go, children, lambda: stopping)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if server is not None:
+            server.shutdown()
+
+
+def _serve_health(cfg: WorkerConfig) -> tuple[health.Processes | None, Any]:
+    """One port for the pod: probes that pass only when every process passes, and one scrape
+    with every process's series (label `worker_process`). Kubernetes probes one port; a wedged
+    process other than the first would otherwise go unseen."""
+    port = cfg.metrics_port
+    if not port:
+        return None, None
+    ports = [child_config(cfg, i).metrics_port or 0 for i in range(cfg.processes)]
+    supervisor = health.Processes(ports)
+    registry = CollectorRegistry()
+    registry.register(health.ProcessesCollector(ports))
+    return supervisor, health.serve(port, registry, supervisor)
+
+
+def _run_all(
+    cfg: WorkerConfig,
+    ctx: Any,
+    go: Event,
+    children: list[BaseProcess],
+    stopping: Callable[[], bool],
+) -> int:
+    if cfg.engine.shared_core:
+        return _run_shared(cfg, ctx, go, children, stopping)
+    for index in range(cfg.processes):
+        ready = ctx.Event()
+        child = ctx.Process(
+            target=_child_main,
+            args=(child_config(cfg, index), ready, go),
+            name=f"mmworker-{index}",
+        )
+        child.start()
+        children.append(child)
+        if not _wait_ready(child, ready) or stopping():
+            log.error("worker process %d did not start (exit %s)", index, child.exitcode)
+            _terminate(children, go, cfg.limits.shutdown_grace_s + 60)
+            return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
+    log.info("%d worker processes ready: consuming", len(children))
+    go.set()
+    return _supervise(
+        children,
+        stopping,
+        lambda: _terminate(children, go, cfg.limits.shutdown_grace_s + 60),
+    )
 
 
 def _run_shared(
@@ -163,7 +185,7 @@ def _run_shared(
             if not _wait_ready(child, ready) or stopping():
                 log.error("worker process %d did not start (exit %s)", index, child.exitcode)
                 _terminate(children, go, grace)
-                return combined_exit_code([c.exitcode for c in children]) or EXIT_START_FAILED
+                return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
         log.info("%d worker processes ready on one engine core: consuming", len(children))
         go.set()
         return _supervise(children, stopping, lambda: _terminate(children, go, grace))
@@ -210,7 +232,7 @@ def _terminate(children: list[BaseProcess], go: Event, wait_s: float) -> None:
 
 def _as_exit_code(code: int | None) -> int:
     if code is None:
-        return EXIT_START_FAILED
+        return ExitCode.START_FAILED
     return 128 - code if code < 0 else code  # multiprocessing reports death by signal N as -N
 
 
@@ -223,11 +245,7 @@ def _child_main(cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | Non
     stop_on_signals()
     os.setsid()
     die_with_parent()
-    logging.basicConfig(
-        level=cfg.log_level,
-        format=f"%(asctime)s %(levelname)s [{cfg.worker_id}] %(name)s: %(message)s",
-    )
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    logs.setup(cfg.log_level, tag=cfg.worker_id, fmt=cfg.logging.format)
     try:
         code = run_worker(cfg, ready=ready.set, go=go.wait, core=core)
     except Interrupted:

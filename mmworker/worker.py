@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from kafka.errors import (
     ClusterAuthorizationFailedError,
+    IllegalStateError,
     InconsistentGroupProtocolError,
     InvalidTopicError,
     KafkaError,
@@ -30,9 +31,11 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 
+from mmworker import logs
 from mmworker.config import KafkaConfig, WorkerConfig
 from mmworker.errors import ConfigError, EngineFatal, PublishRefused, TopicRefused
 from mmworker.exits import ExitCode
+from mmworker.health import Health
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import (
     RebalanceListener,
@@ -93,9 +96,12 @@ class KafkaClients:
 class Worker:
     def __init__(
         self, cfg: WorkerConfig, runner: JobRunner, metrics: Metrics, model: str,
-        clients: Clients | None = None,
+        clients: Clients | None = None, health: Health | None = None,
     ) -> None:  # fmt: skip
         self._cfg = cfg
+        self._health = health or Health(cfg.health)
+        self._owned: set[Any] = set()  # partitions assigned now (written on the Kafka thread)
+        self._health.assigned = lambda: len(self._owned)
         self._runner = runner
         self._metrics = metrics
         self._model = model
@@ -167,6 +173,7 @@ class Worker:
                 await self._check_suspects()
             if time.monotonic() >= next_commit:
                 await self._commit()
+                await self._on_kafka(self._measure_lag)
                 next_commit = time.monotonic() + k.commit_interval_s
 
     def _start(self, record: Any) -> None:
@@ -187,6 +194,7 @@ class Worker:
         """Runs one job to a delivered outcome. Every exit is accounted for: done, cancelled
         (partition revoked, shutdown), or a fatal stop of the worker."""
         source = SourceCoords(topic=tp.topic, partition=tp.partition, offset=record.offset)
+        logs.bind_job(topic=tp.topic, partition=tp.partition, offset=record.offset)
         try:
             ctx = Context(
                 source,
@@ -197,6 +205,7 @@ class Worker:
             )  # fmt: skip
             assert self._suspects is not None
             deaths = self._suspects.deaths(source)
+            self._observe_since(self._metrics.queue_wait_seconds, record.timestamp)
             outcome = await self._runner.run(record.value, ctx, record.timestamp or 0, deaths)
             try:
                 await self._publish(outcome)
@@ -207,6 +216,7 @@ class Worker:
                 outcome = self._runner.refused(outcome, exc, record.value, ctx)
                 await self._publish(outcome)
             self._count(outcome)
+            self._observe_since(self._metrics.end_to_end_seconds, record.timestamp)
             self.tracker.done(tp, record.offset)
             if 0 < deaths < self._cfg.limits.max_engine_deaths:
                 # It finished: innocent. A condemned one keeps its record, so that a redelivery
@@ -231,8 +241,33 @@ class Worker:
         except KafkaError as exc:  # at worst it runs alone once more if redelivered
             log.warning("could not clear suspect %s: %s", source, exc)
 
+    @staticmethod
+    def _observe_since(histogram: Any, timestamp_ms: int | None) -> None:
+        """Seconds since the broker's timestamp of the record; none when the record has none,
+        and 0 for a producer clock ahead of ours."""
+        if timestamp_ms and timestamp_ms > 0:
+            histogram.observe(max(0.0, time.time() - timestamp_ms / 1000))
+
+    def _measure_lag(self) -> None:
+        """Per-partition lag: the high-water mark the last fetch brought back (no request of its
+        own) minus this worker's last commit (`OffsetTracker.lag_bases`). A partition without
+        a known mark yet (nothing fetched) or revoked meanwhile is left out."""
+        bases = self.tracker.lag_bases()
+        self._metrics.consumer_lag.clear()
+        for tp in list(self._owned):
+            base = bases.get(TopicPartition(tp.topic, tp.partition))
+            try:
+                high = self._consumer.highwater(tp)
+            except IllegalStateError:  # revoked between the listing and the read
+                continue
+            if high is not None and base is not None:
+                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
+                    max(0, high - base)
+                )
+
     def _stop_fatally(self, code: ExitCode, what: str, exc: BaseException) -> None:
         if self._fatal is None:
+            self._health.stopping = True
             log.error("%s, stopping without further commits: %s", what, exc)
             self._fatal = exc
             self.exit_code = code
@@ -243,6 +278,7 @@ class Worker:
         self._metrics.jobs.labels(outcome.kind).inc()
         if isinstance(outcome.record, Failure):
             self._metrics.failures.labels(outcome.record.code.value).inc()
+            logs.bind_job(job_id=outcome.record.job_id, code=outcome.record.code.value)
             log.warning(
                 "dead-lettered %s job_id=%s code=%s: %s", outcome.record.source,
                 outcome.record.job_id, outcome.record.code.value, outcome.record.message,
@@ -298,6 +334,7 @@ class Worker:
             return
         self.tracker.committed(offsets)
         self._metrics.commits.inc()
+        self._metrics.last_commit.set_to_current_time()
 
     # Rebalance callbacks: they run on the Kafka thread, inside poll().
 
@@ -315,11 +352,13 @@ class Worker:
             log.warning("commit on revoke failed (%s): those jobs will be redone", exc)
             offsets = {}
         finally:
+            self._owned.difference_update(revoked)
             self._drop(revoked)
         log.info("revoked %s (committed %s)", revoked, offsets)
 
     def _on_lost(self, lost: list[TopicPartition]) -> None:
         """Membership is gone: another worker owns these now, so commit nothing."""
+        self._owned.difference_update(lost)
         self._drop(lost)
         log.warning("lost %s", lost)
 
@@ -329,6 +368,7 @@ class Worker:
         partition may come from a worker whose engine just died, so the suspects topic is read
         first. That read blocks, so it happens after poll() returns (`_check_suspects`), not
         here on kafka-python's network thread, where it would hold up heartbeats."""
+        self._owned.update(assigned)
         if assigned:
             self._consumer.pause(*assigned)
             self._unchecked.extend(assigned)
@@ -424,6 +464,7 @@ class Worker:
                 log.warning("second %s: exiting now", signal.Signals(signum).name)
                 os._exit(ExitCode.INTERRUPTED)
             log.info("%s: finishing in-flight jobs, then exiting", signal.Signals(signum).name)
+            self._health.stopping = True
             self._stopping.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):

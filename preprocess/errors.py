@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker.schemas.codes import ErrorCode
+from mmworker.schemas.errors import CodedError
 
 
-class PreprocessError(Exception):
-    """Root of every error this package raises; `code` is what the dead-letter record carries."""
+class PreprocessError(CodedError):
+    """Root of every error this package raises; `code` is what the dead-letter record carries.
 
-    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+    `retryable=` is set where one instance of a usually-transient code is known to be permanent
+    (a server that breaks HTTP will break it again on the retry).
+    """
 
-    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        #: Set where one instance of a usually-transient code is known to be permanent (a server
-        #: that breaks HTTP will break it again on the retry); None follows the code.
-        self._retryable = retryable
-
-    @property
-    def retryable(self) -> bool:
-        if self._retryable is not None:
-            return self._retryable
-        return self.code in RETRYABLE_CODES
+    code = ErrorCode.INTERNAL_ERROR
 
 
 class ForbiddenUri(PreprocessError):

@@ -243,19 +243,3 @@ class PreparedVideo:
     @property
     def resized_size(self) -> tuple[int, int]:
         return (int(self.frames.shape[2]), int(self.frames.shape[1]))
-
-    def vllm_metadata(self) -> dict[str, object]:
-        """Metadata in the shape vLLM's Qwen2.5-VL processor expects (FIELD-NOTES §1).
-
-        Frames are already sampled, so `do_sample_frames=False` and indices are just 0..T-1;
-        `fps` is the effective sampling rate, which sets the temporal position ids.
-        """
-        n = int(self.frames.shape[0])
-        return {
-            "fps": self.sample_fps,
-            "duration": self.duration_s,
-            "total_num_frames": n,
-            "frames_indices": list(range(n)),
-            "video_backend": "opencv",
-            "do_sample_frames": False,
-        }

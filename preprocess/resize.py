@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's `smart_resize`, reproduced exactly (FIELD-NOTES §3).
+"""Qwen2.5-VL's `smart_resize` (transformers' Qwen2-VL processors, which vLLM runs, and
+qwen-vl-utils), reproduced exactly.
 
 Exactness matters: the engine re-derives the grid from the size we hand it, and a one-patch
 difference changes the visual token count the worker budgeted for.

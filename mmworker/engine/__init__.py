@@ -22,14 +22,16 @@ from PIL import Image
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
 from mmworker.engine import frontend, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
+from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
+from mmworker.metrics import EngineState
 from mmworker.preprocess.params import PreparedImage, PreparedVideo
 from mmworker.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 
-#: On CPU, vLLM reads gpu_memory_utilization as a fraction of host RAM and fails when that much is
-#: not free (FIELD-NOTES §1); an explicit KV budget is what works.
+#: On CPU, vLLM reads gpu_memory_utilization as a fraction of host RAM and fails at start-up when
+#: that much is not free; an explicit KV budget is what works.
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 _PLACEHOLDER = {"image": {"type": "image"}, "video": {"type": "video"}}
@@ -74,9 +76,12 @@ class Engine:
         model_path: str,
         encoder_store: Path | None = None,
         core: shared_core.CoreLink | None = None,
+        progress_bars: bool = True,
     ) -> None:
-        """`core`: attach to a shared engine core (`engine.shared_core`) instead of starting one."""
+        """`core`: attach to a shared engine core (`engine.shared_core`) instead of starting one.
+        `progress_bars`: vLLM's weight-loading bar (off for JSON logs)."""
         self._cfg = cfg
+        self._progress_bars = progress_bars
         self._core = core
         self.model_path = model_path
         self._encoder_store = encoder_store
@@ -86,6 +91,8 @@ class Engine:
         self._busy_since: float | None = None
         self._active = 0
         self.busy_s = 0.0
+        self._last_progress = time.monotonic()
+        self._state = EngineState()
 
     def start(self) -> None:
         engine_process_env()
@@ -101,17 +108,26 @@ class Engine:
 
         t0 = time.monotonic()
         if self._core is not None:
-            self._llm = shared_core.attach(self.engine_kwargs(), self._core)
+            self._llm = shared_core.attach(
+                self.engine_kwargs(), self._core, stat_loggers=self._stat_loggers()
+            )
         else:
             # A batch worker wants vLLM's offline batch limits (max_num_seqs,
             # max_num_batched_tokens sized for throughput, e.g. 1,024 / 16,384 on an H200), not
             # the smaller server defaults AsyncLLM picks for an interactive engine.
             args = AsyncEngineArgs(**self.engine_kwargs())
-            self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+            self._llm = AsyncLLM.from_engine_args(
+                args,
+                usage_context=UsageContext.LLM_CLASS,
+                stat_loggers=self._stat_loggers(),
+            )
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, revision=self._cfg.model_revision
         )
         log.info("engine ready in %.1fs (%s)", time.monotonic() - t0, self.model_path)
+
+    def _stat_loggers(self) -> list[Any] | None:
+        return [stat_logger(self._state)] if self._cfg.stats else None
 
     def engine_kwargs(self) -> dict[str, Any]:
         cfg = self._cfg
@@ -133,7 +149,9 @@ class Engine:
             "load_format": cfg.load_format,
             "seed": cfg.seed,
             "mm_processor_cache_gb": cfg.mm_processor_cache_gb,
-            "disable_log_stats": True,
+            # On: the scheduler's reports feed the engine metrics (`stat_logger`); vLLM's own
+            # periodic log line stays off below log_level DEBUG.
+            "disable_log_stats": not cfg.stats,
         }
         if cfg.enable_chunked_prefill is not None:
             kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
@@ -163,6 +181,8 @@ class Engine:
                 "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
             }
         kwargs["structured_outputs_config"] = dict(ENGINE_STRUCTURED_OUTPUTS)
+        if not self._progress_bars:
+            kwargs["use_tqdm_on_load"] = False
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
         return kwargs
@@ -222,6 +242,7 @@ class Engine:
             engine_input = await self._render(prompt)
             async for out in self._llm.generate(engine_input, sampling, request_id=request_id):
                 final = out
+                self._last_progress = time.monotonic()
         except EngineDeadError as exc:
             raise EngineFatal(f"engine died: {exc}") from exc
         except asyncio.CancelledError:
@@ -270,7 +291,7 @@ class Engine:
 
     def _enter(self) -> None:
         if self._active == 0:
-            self._busy_since = time.monotonic()
+            self._busy_since = self._last_progress = time.monotonic()
         self._active += 1
 
     def _leave(self) -> None:
@@ -284,10 +305,53 @@ class Engine:
         running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
         return self.busy_s + running
 
+    def state(self) -> EngineState:
+        return self._state
+
+    def alive(self) -> bool:
+        """False once vLLM reports its engine core dead (or before start/after shutdown)."""
+        return self._llm is not None and not bool(getattr(self._llm, "errored", False))
+
+    def progress(self) -> tuple[int, float]:
+        """Requests inside the engine, and when one last produced output (or the engine went
+        from idle to busy): what /livez calls a stall."""
+        return self._active, self._last_progress
+
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def stat_logger(state: EngineState) -> Any:
+    """A vLLM stat logger that keeps the scheduler's last report in `state` for the metrics.
+    vLLM calls it on the front end's output thread for every batch of engine outputs; it only
+    stores numbers (SchedulerStats/IterationStats are not a stable vLLM interface, so each
+    field is read with a default)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class ToState(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                state.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+                state.waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                state.kv_cache_usage = float(getattr(scheduler_stats, "kv_cache_usage", 0.0))
+            if iteration_stats is not None:
+                state.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return ToState
 
 
 def engine_process_env() -> None:
@@ -372,7 +436,7 @@ def _mm_data(items: list[EngineItem]) -> dict[str, list[Any]]:
             data.setdefault("image", []).append(Image.fromarray(prepared.pixels))
         else:
             frames = np.ascontiguousarray(prepared.frames)
-            data.setdefault("video", []).append((frames, prepared.vllm_metadata()))
+            data.setdefault("video", []).append((frames, vllm_video_metadata(prepared)))
     return data
 
 

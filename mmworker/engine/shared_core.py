@@ -150,7 +150,7 @@ def _extras(coordinator: Any, tensor_queue: Any) -> dict[str, Any]:
     return extras
 
 
-def attach(kwargs: dict[str, Any], link: CoreLink) -> Any:
+def attach(kwargs: dict[str, Any], link: CoreLink, stat_loggers: list[Any] | None = None) -> Any:
     """An `AsyncLLM` front end of the shared core, in a worker process."""
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -158,7 +158,8 @@ def attach(kwargs: dict[str, Any], link: CoreLink) -> Any:
     return AsyncLLM.from_vllm_config(
         vllm_config(kwargs, link.count, link.index),
         usage_context=UsageContext.LLM_CLASS,
-        disable_log_stats=True,
+        disable_log_stats=stat_loggers is None,
+        stat_loggers=stat_loggers,
         client_addresses=link.addresses,
         client_count=link.count,
         client_index=link.index,

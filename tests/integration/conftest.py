@@ -3,7 +3,7 @@
 The environment is set when this module is imported, i.e. before any test imports vLLM, because
 vLLM reads these variables at import and engine start:
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the engine core in-process: start-up ~11 s instead of
-  ~30 s and one process to clean up (FIELD-NOTES §1).
+  ~30 s and one process to clean up.
 - ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``: this machine cannot reach the Hub; without them a
   stray lookup waits for a network timeout instead of failing fast.
 """

@@ -24,6 +24,8 @@ from mmworker.preprocess.params import (
 from mmworker.preprocess.resize import smart_resize
 from PIL import Image
 
+from mmworker.engine.video_metadata import vllm_video_metadata
+
 pytestmark = [
     pytest.mark.integration,
     # vLLM's triton shim touches torch.distributed.reduce_op (deprecated) on first use.
@@ -172,7 +174,7 @@ def test_prepared_video_tokens_are_the_engines(tiny_llm: Any) -> None:
     (out,) = tiny_llm.generate(
         {
             "prompt": _prompt(tiny_llm, "video", "Caption."),
-            "multi_modal_data": {"video": (prepared.frames, prepared.vllm_metadata())},
+            "multi_modal_data": {"video": (prepared.frames, vllm_video_metadata(prepared))},
         },
         _sampling(),
         use_tqdm=False,

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from mmworker import torchvision_repair
+from mmworker.devkit import torchvision_repair
 
 pytestmark = pytest.mark.integration
 

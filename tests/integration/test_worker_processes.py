@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import urllib.request
@@ -67,9 +68,15 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
             answered_by.add(doc["worker_id"])
         # Three partitions over two members: both hold at least one, so both answered.
         assert answered_by == {"duo-0", "duo-1"}, worker.log()
-        # Each child serves its own metrics on port + index; together they count every job.
-        per_child = [_metric(port + i, "mmworker_jobs_total") for i in (0, 1)]
+        # Each child serves its own metrics on port + 1 + index; together they count every job,
+        # and the supervisor's port carries both (labelled) and answers the probes for both.
+        per_child = [_metric(port + 1 + i, "mmworker_jobs_total") for i in (0, 1)]
         assert all(n > 0 for n in per_child) and sum(per_child) == len(ids), per_child
+        assert _metric(port, "mmworker_jobs_total") == len(ids)
+        for probe in ("/startupz", "/readyz", "/livez"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=10) as reply:
+                body = json.loads(reply.read())
+            assert set(body["checks"]["processes"]) == {"0", "1"}, (probe, body)
 
         # The encoder store is shared: repeats of one image on every partition reach the process
         # that never encoded it, which loads the output from disk (a hit refreshes the mtime)

@@ -144,6 +144,9 @@ class Consumer:
     def assignment(self) -> set[TopicPartition]:
         return set(self.owned)
 
+    def highwater(self, tp: Any) -> int:
+        return len(self.logs[TopicPartition(tp.topic, tp.partition)])
+
     def pause(self, *tps: Any) -> None:
         self._paused |= {TopicPartition(tp.topic, tp.partition) for tp in tps}
 

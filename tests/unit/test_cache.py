@@ -28,6 +28,7 @@ from mmworker.cache import (
     NullFeatureCache,
     make_key,
 )
+from mmworker.engine.video_metadata import vllm_video_metadata
 
 MB = 1024 * 1024
 
@@ -101,7 +102,7 @@ def test_video_round_trip_exact_metadata(tmp_path: Path) -> None:
     assert got.source_fps == video.source_fps
     assert got.total_num_frames == video.total_num_frames
     assert got.sample_fps == video.sample_fps
-    assert got.vllm_metadata() == video.vllm_metadata()
+    assert vllm_video_metadata(got) == vllm_video_metadata(video)
     assert got.partial is False and got.full_duration_s is None
 
 

@@ -602,7 +602,9 @@ def test_vllm_processes_get_our_policy_but_a_persons_setting_wins(
     logs.quiet_libraries("DEBUG")  # the level became known: ours change, the person's stays
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert "TORCH_CPP_LOG_LEVEL" not in os.environ
-    assert "filters" not in json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    debug = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    assert "noise" not in debug["filters"]  # DEBUG shows everything; job fields stay
+    assert debug["handlers"]["mmworker"]["filters"] == ["job"]
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
 
 

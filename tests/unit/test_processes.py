@@ -23,7 +23,8 @@ def test_children_split_gpu_memory_and_the_default_pool() -> None:
         assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
         assert child.kafka == cfg.kafka  # one consumer group
     assert (first.worker_id, second.worker_id) == ("host-0", "host-1")
-    assert (first.metrics_port, second.metrics_port) == (9400, 9401)
+    # 9400 is the supervisor's, answering for both (mmworker.processes._serve_health).
+    assert (first.metrics_port, second.metrics_port) == (9401, 9402)
 
 
 def test_an_explicit_pool_size_is_per_process_and_no_port_stays_off() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mmworker import torchvision_repair as tr
+from mmworker.devkit import torchvision_repair as tr
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

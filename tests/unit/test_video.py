@@ -232,22 +232,6 @@ def test_raw_elementary_stream_without_timestamps() -> None:
     assert indices(video) == [0, 13, 26, 39]
 
 
-def test_vllm_metadata_carries_the_sampling_rate() -> None:
-    video = prepare_video(clip("libx264", n_frames=40, fps=10), VideoParams())
-    meta = video.vllm_metadata()
-    n = video.frames.shape[0]
-    assert meta["total_num_frames"] == n
-    assert meta["frames_indices"] == list(range(n))
-    assert meta["do_sample_frames"] is False
-    assert meta["duration"] == pytest.approx(4.0)
-    # transformers' VideoMetadata.sampled_fps = len(indices) / total * fps: must be sample_fps,
-    # since Qwen2.5-VL derives second_per_grid_ts = 2 / sampled_fps from it.
-    fps, chosen, total = meta["fps"], meta["frames_indices"], meta["total_num_frames"]
-    assert isinstance(fps, float) and isinstance(chosen, list) and isinstance(total, int)
-    assert len(chosen) / total * fps == pytest.approx(video.sample_fps)
-    assert video.sample_fps == pytest.approx(n / 4.0)
-
-
 # --- rotation ----------------------------------------------------------------------------------
 
 
@@ -414,7 +398,7 @@ def test_preprocess_does_not_import_heavy_dependencies() -> None:
     import subprocess
 
     code = (
-        "import sys, preprocess.video;"
+        "import sys, mmworker.preprocess.video, mmworker.preprocess.prepare;"
         "bad = [m for m in ('torch', 'vllm', 'kafka') if m in sys.modules];"
         "print(','.join(bad)); sys.exit(1 if bad else 0)"
     )

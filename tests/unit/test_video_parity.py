@@ -27,6 +27,8 @@ from mmworker.preprocess.params import PreparedVideo, VideoParams
 from mmworker.preprocess.tokens import video_tokens
 from mmworker.preprocess.video import prepare_video
 
+from mmworker.engine.video_metadata import vllm_video_metadata
+
 
 def _import_failure(module: str) -> str | None:
     try:
@@ -111,7 +113,7 @@ def test_transformers_video_processor_keeps_our_frames(name: str) -> None:
 
     video = prepared(name)
     params = CASES[name].params
-    meta = {k: v for k, v in video.vllm_metadata().items() if k != "do_sample_frames"}
+    meta = {k: v for k, v in vllm_video_metadata(video).items() if k != "do_sample_frames"}
     processor = Qwen2VLVideoProcessor(**size_kwargs(params))
     out = processor(
         videos=[video.frames],
@@ -156,7 +158,8 @@ def vllm_processor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def test_vllm_qwen2_5_vl_processor_agrees(name: str, vllm_processor: Any) -> None:
     video = prepared(name)
     params = CASES[name].params
-    items = vllm_processor.info.parse_mm_data({"video": [(video.frames, video.vllm_metadata())]})
+    pair = (video.frames, vllm_video_metadata(video))
+    items = vllm_processor.info.parse_mm_data({"video": [pair]})
     out = vllm_processor(
         "<|vision_start|><|video_pad|><|vision_end|>",
         items,

@@ -6,6 +6,7 @@ import mmworker.preprocess.video as video
 import numpy as np
 import pytest
 from mmworker.preprocess.params import VideoParams
+from mmworker.preprocess.video import decode, schedule
 
 from tests.media_videos import encode_video
 
@@ -30,21 +31,21 @@ def test_speedups_give_identical_frames(
 ) -> None:
     params = VideoParams(strategy=strategy, interval_s=1.5, max_frames=16)  # type: ignore[arg-type]
     # Force the split path (second decoder) even on tiny clips and one-core CI boxes.
-    monkeypatch.setattr(video, "PARALLEL_MIN_PACKETS", 1)
-    monkeypatch.setattr(video, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(schedule, "PARALLEL_MIN_PACKETS", 1)
+    monkeypatch.setattr(schedule, "usable_cores", lambda: 2)
     tails: list[int] = []
-    real_tail = video._decode_tail
+    real_tail = decode._decode_tail
 
     def spy(data: bytes, main: object, runs: list[object], stats: video.DecodeStats) -> object:
         tails.append(len(runs))
         return real_tail(data, main, runs, stats)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(video, "_decode_tail", spy)
+    monkeypatch.setattr(decode, "_decode_tail", spy)
     fast_frames, fast_times, _fast = _run(bframe_clip, params)
     assert tails and tails[0] >= 1  # the second decoder really ran
 
-    monkeypatch.setattr(video, "NONREF_SKIP_CODECS", frozenset())
-    monkeypatch.setattr(video, "DECODE_THREADS", 1)
+    monkeypatch.setattr(decode, "NONREF_SKIP_CODECS", frozenset())
+    monkeypatch.setattr(schedule, "DECODE_THREADS", 1)
     slow_frames, slow_times, _slow = _run(bframe_clip, params)
 
     assert fast_times == slow_times
