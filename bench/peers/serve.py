@@ -48,7 +48,8 @@ def server_flags(kwargs: dict[str, Any]) -> list[str]:
     """`LLM(**kwargs)` as `vllm serve` flags (vLLM's CLI is its engine arguments, kebab-cased)."""
     flags: list[str] = []
     for key, value in kwargs.items():
-        if key == "model" or value is None:
+        # `vllm serve` keeps its stats on by default, and 0.25 has no --no-disable-log-stats.
+        if key == "model" or value is None or key == "disable_log_stats":
             continue
         name = "--" + key.replace("_", "-")
         if isinstance(value, bool):
