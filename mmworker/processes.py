@@ -163,7 +163,12 @@ def _run_shared(
     engine_process_env()
     lifeline.arm()  # the engine core leaves our process group and dies with this process
     model = resolve_model(cfg.engine.model, model_cache_dir())
-    kwargs = Engine(cfg.engine, model, encoder_store=encoder_store_dir(cfg)).engine_kwargs()
+    kwargs = Engine(
+        cfg.engine,
+        model,
+        encoder_store=encoder_store_dir(cfg),
+        progress_bars=cfg.logging.format == "text",  # the core loads the weights
+    ).engine_kwargs()
     readies: list[Event] = []
 
     def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:
