@@ -120,7 +120,7 @@ def _fetch(port: int, path: str) -> tuple[int, bytes]:
             return int(reply.status), bytes(reply.read())
     except urllib.error.HTTPError as exc:
         return int(exc.code), bytes(exc.read())
-    except (OSError, TimeoutError) as exc:  # not listening (yet), or no answer: a wedge
+    except OSError as exc:  # not listening (yet), or no answer in time (URLError, TimeoutError)
         return 0, json.dumps({"status": "unreachable", "error": str(exc)}).encode()
 
 
