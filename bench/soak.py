@@ -469,8 +469,8 @@ def worker_settings(opts: Options, work: Path) -> dict[str, object]:
 def run(opts: Options) -> dict[str, Any]:
     from kafka import KafkaProducer
 
-    from bench.e2e import Options as E2EOptions
-    from bench.e2e import child_env, resolve_model_path
+    from bench.e2e_config import Options as E2EOptions
+    from bench.e2e_config import child_env, resolve_model_path
     from mmworker.config import KafkaConfig
     from mmworker.devkit.broker import EmbeddedBroker
     from mmworker.devkit.demo import worker_command

@@ -148,6 +148,7 @@ async def _serve(
             initargs=(cfg.log_level, cfg.logging.format),
         ),
         cfg.preprocess.workers,
+        recycle_after=cfg.preprocess.recycle_after,
     )
     io_pool = ThreadPoolExecutor(32, thread_name_prefix="io")
     writer = ThreadPoolExecutor(1, "cache-write", initializer=lower_thread_priority)

@@ -287,6 +287,23 @@ async def commit_in_rebalance(
     )
 
 
+def poll(consumer: Any, timeout_ms: int, max_records: int) -> dict[Any, list[Any]]:
+    """`consumer.poll`, with a repair of kafka-python 3.0.12's fetcher first.
+
+    When a partition is paused, the fetcher parks the records it holds for it and stops fetching
+    it until they are handed back; it hands them back only into an empty slot, `None`, but a
+    slot drained by poll keeps an exhausted (falsy) object. So a partition paused while its
+    batch was being drained and resumed later is never fetched again: with per-partition pauses
+    (fair shares, `Worker._over_share`) whole partitions stalled for good on the real broker
+    (tests/unit/test_worker_fairness.py). Emptying the drained slot lets the parked records
+    back in. Private API of the pinned release, hence here, in one place."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    slot = getattr(fetcher, "_next_partition_records", None)
+    if slot is not None and not slot:
+        fetcher._next_partition_records = None  # type: ignore[union-attr]
+    return consumer.poll(timeout_ms, max_records=max_records)  # type: ignore[no-any-return]
+
+
 def close_consumer(consumer: KafkaConsumer, timeout_ms: int) -> None:
     """Close without committing; leave the group only if this member is not behind a rebalance.
 

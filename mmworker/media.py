@@ -99,9 +99,14 @@ class DecodePool:
     """
 
     def __init__(self, factory: Callable[[int], Executor] | None, workers: int, *,
-                 executor: Executor | None = None) -> None:  # fmt: skip
+                 executor: Executor | None = None, recycle_after: int | None = None,
+                 ) -> None:  # fmt: skip
         self._factory = factory
         self.workers = workers
+        #: Calls after which the shared pool is replaced by a fresh one (see `_recycle`).
+        self._recycle_after = recycle_after
+        self._calls = 0
+        self.recycles = 0
         self.executor = executor if executor is not None else self._make(workers)
         #: The one-process pool suspects are decoded in, started at the first break.
         self._alone: Executor | None = None
@@ -140,6 +145,7 @@ class DecodePool:
         slots, _ = self._slots()
         await slots.acquire()
         try:
+            self._recycle()
             executor = self.executor
             try:
                 call = executor.submit(fn, *args)
@@ -193,6 +199,25 @@ class DecodePool:
         except BrokenExecutor:
             return False
         return True
+
+    def _recycle(self) -> None:
+        """Every `recycle_after` calls, new calls go to a fresh pool and the old one exits once
+        the calls already in it are done: decoder libraries' memory grows slowly with the media
+        they have seen, and a fresh process starts from nothing (bench/soak.py). `warm_up` is
+        sent ahead so that no job waits for the new processes' imports."""
+        if self._recycle_after is None:
+            return
+        self._calls += 1
+        if self._calls <= self._recycle_after:
+            return
+        self._calls = 1
+        old, self.executor = self.executor, self._make(self.workers)
+        for _ in range(self.workers):
+            self.executor.submit(warm_up)
+        old.shutdown(wait=False)
+        self.recycles += 1
+        log.info("preprocessing processes replaced by fresh ones after %d decodes (%d time(s))",
+                 self._recycle_after, self.recycles)  # fmt: skip
 
     def replace(self, broken: Executor) -> None:
         """A new shared pool for `broken`, once: every call caught in one break reports it."""

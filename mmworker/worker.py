@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -45,6 +46,7 @@ from mmworker.kafka_io import (
     ensure_suspects_topic,
     make_consumer,
     make_producer,
+    poll,
     send,
 )
 from mmworker.metrics import Metrics
@@ -108,6 +110,11 @@ class Worker:
         self._clients = clients or KafkaClients(cfg.kafka)
         self.tracker = OffsetTracker()
         self._live: dict[_Key, asyncio.Task[None]] = {}
+        #: The last offset started per partition: with the high-water mark, whether it has
+        #: records waiting (`_over_share`).
+        self._started: dict[TopicPartition, int] = {}
+        #: Each partition's share of max_in_flight while several have records waiting.
+        self._share = cfg.limits.max_in_flight
         self._kafka = ThreadPoolExecutor(1, thread_name_prefix="kafka")  # the consumer's thread
         # producer.send blocks while metadata is missing or the buffer is full (max_block_ms)
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
@@ -157,9 +164,11 @@ class Worker:
         next_commit = time.monotonic() + k.commit_interval_s
         while not self._stopping.is_set():
             await self._apply_backpressure()
-            room = max(1, limits.max_in_flight - self.held())
+            # One poll takes records from one partition's batch: at most a share, so that the
+            # next poll, with that partition paused, brings another's (`_over_share`).
+            room = max(1, min(limits.max_in_flight - self.held(), self._share))
             try:
-                batches = await self._on_kafka(self._consumer.poll, 200, room)
+                batches = await self._on_kafka(poll, self._consumer, 200, room)
             except InconsistentGroupProtocolError as exc:
                 raise ConfigError(
                     f"group {k.group_id!r} runs another rebalance protocol than kafka.assignors "
@@ -180,6 +189,7 @@ class Worker:
         tp = TopicPartition(record.topic, record.partition)
         key = (tp, record.offset)
         self.tracker.track(tp, record.offset)
+        self._started[tp] = record.offset
         task = asyncio.create_task(self._handle(tp, record))
         self._live[key] = task
         task.add_done_callback(lambda t: self._forget_task(key, t))
@@ -309,16 +319,58 @@ class Worker:
                 delay = min(delay * 2, 10.0)
 
     async def _apply_backpressure(self) -> None:
-        """Pause all partitions while full, resume at half: polling goes on, keeping membership."""
+        """Pause all partitions while full, resume at half: polling goes on, keeping membership.
+        Below that, a partition at its fair share is paused while another has records waiting
+        (`_over_share`)."""
         limit = self._cfg.limits.max_in_flight
         held = self.held()
         if not self._paused and held >= limit:
-            await self._on_kafka(lambda: self._consumer.pause(*self._consumer.assignment()))
             self._paused = True
         elif self._paused and held <= limit // 2:
-            await self._on_kafka(lambda: self._consumer.resume(*self._consumer.paused()))
             self._paused = False
+        live = Counter(tp for tp, _ in self._live)
+        started = dict(self._started)
+        await self._on_kafka(self._pause_only, live, started)
         self._metrics.paused.set(1 if self._paused else 0)
+
+    def _pause_only(
+        self, live: Counter[TopicPartition], started: dict[TopicPartition, int]
+    ) -> None:
+        """On the Kafka thread: pause exactly the partitions that should not be fetched now."""
+        owned = self._consumer.assignment()
+        want = set(owned) if self._paused else self._over_share(owned, live, started)
+        want.update(tp for tp in self._unchecked if tp in owned)  # until suspects are read
+        now = self._consumer.paused()
+        if want - now:
+            self._consumer.pause(*(want - now))
+        if (now - want) & owned:
+            self._consumer.resume(*((now - want) & owned))
+
+    def _over_share(
+        self, owned: set[Any], live: Counter[TopicPartition], started: dict[TopicPartition, int]
+    ) -> set[Any]:
+        """Partitions holding their share of `max_in_flight` or more while another partition
+        has records waiting and less than its share: pausing them lets the next polls bring
+        the others' records. kafka-python's poll drains one partition's fetched batch before the
+        next one's, so without this a full worker serves partitions one after another. Shares
+        go only to partitions that may have records waiting (high-water mark past what was
+        started, or not known yet), so one busy partition still gets the whole worker."""
+        waiting = []
+        for tp in owned:
+            ours = TopicPartition(tp.topic, tp.partition)
+            try:
+                high = self._consumer.highwater(tp)
+            except IllegalStateError:  # revoked meanwhile
+                continue
+            # Unknown until the fetcher parses the partition's fetch, which it does only after
+            # draining the batches ahead of it: possibly waiting, then.
+            if high is None or high > started.get(ours, -1) + 1:
+                waiting.append((tp, ours))
+        share = self._cfg.limits.max_in_flight // max(1, len(waiting))
+        self._share = max(1, share)
+        if len(waiting) < 2 or all(live[ours] >= share for _, ours in waiting):
+            return set()
+        return {tp for tp, ours in waiting if live[ours] >= share}
 
     async def _commit(self) -> None:
         if self._fatal is not None:
@@ -374,13 +426,12 @@ class Worker:
             self._unchecked.extend(assigned)
 
     async def _check_suspects(self) -> None:
-        unchecked, self._unchecked = self._unchecked, []
+        """Read the suspects topic for the partitions just assigned; the next round of
+        `_apply_backpressure` then resumes them."""
         assert self._suspects is not None
+        checked = list(self._unchecked)
         await self._on_kafka(self._suspects.refresh)
-        if not self._paused:
-            owned = await self._on_kafka(self._consumer.assignment)
-            await self._on_kafka(lambda: self._consumer.resume(*[tp for tp in unchecked
-                                                                 if tp in owned]))  # fmt: skip
+        self._unchecked = [tp for tp in self._unchecked if tp not in checked]
 
     def _drop(self, tps: list[TopicPartition]) -> None:
         self.tracker.forget(tps)

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=OUT / "serve-peer.json")
     opts = p.parse_args(argv)
-    from bench.e2e import resolve_model_path
+    from bench.e2e_config import resolve_model_path
     from mmworker.devkit.broker import free_port
 
     opts.model_path = resolve_model_path(opts.model)

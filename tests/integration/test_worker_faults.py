@@ -10,6 +10,7 @@ import subprocess
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from mmworker.schemas import GenerationParams, Job, MediaRef
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.demo import worker_command
 from mmworker.devkit.samples import sample_image
+from tests.conftest import SilentBroker
 from tests.integration.workerkit import (
     Collector,
     Posted,
@@ -166,40 +168,93 @@ def _engine_core_started(pid: int) -> bool:
     return any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in process_tree(pid))
 
 
-@pytest.mark.timeout(600)
-def test_sigterm_at_any_point_of_start_up_exits_0_and_leaves_no_process(
+#: Longest a start-up signal may take to stop the worker: well under the 30 s a Kafka client
+#: waits for a broker that never answers, so no point of start-up waits one out.
+START_STOP_S = 15.0
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """SIGINT as a terminal's Ctrl-C sends it (to the whole process group); SIGTERM as `kill`."""
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+
+
+@pytest.mark.timeout(900)
+def test_a_signal_at_any_point_of_start_up_exits_0_and_leaves_no_process(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
+    """SIGTERM and SIGINT (to the process group) at main's first line, while the engine loads,
+    while a broker that never answers holds the start-up check, and while a frozen broker holds
+    the poll loop's connect (the engine is up by then)."""
     topics = make_topics(broker.bootstrap, "start")
-    points = [
-        ("first line", _main_started),  # as soon as main() has installed its handlers
-        ("engine loading", _engine_core_started),
-    ]
-    for name, reached in points:
-        log = tmp_path / f"start-{name.replace(' ', '-')}.log"
-        cmd = worker_command(broker.bootstrap, tmp_path, topics, f"start-{uuid.uuid4().hex[:6]}")
-        proc = _start(cmd, log)
-        try:
-            deadline = time.monotonic() + 300
-            while not reached(proc.pid):
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.01)
-            tree = process_tree(proc.pid)
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-            took = time.monotonic() - t0
-            text = log.read_text(errors="replace")
-            assert code == 0, (name, code, text[-3000:])
-            assert "Traceback" not in text, (name, text[-3000:])
-            alive = still_alive(tree, 10)
-            assert not alive, (name, [p.cmdline() for p in alive])
-            print(f"SIGTERM at {name}: exit {code} after {took:.1f}s, {len(tree)} children gone")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with SilentBroker() as silent, EmbeddedBroker() as frozen:
+        frozen_topics = make_topics(frozen.bootstrap, "frozen-start")
+        points = [
+            # as soon as main() has installed its handlers
+            ("first line", signal.SIGTERM, broker.bootstrap, _main_started),
+            ("first line", signal.SIGINT, broker.bootstrap, _main_started),
+            ("engine loading", signal.SIGTERM, broker.bootstrap, _engine_core_started),
+            ("engine loading", signal.SIGINT, broker.bootstrap, _engine_core_started),
+            # the command's check that the broker answers, before the engine starts
+            ("broker check", signal.SIGTERM, silent.bootstrap, lambda _pid: silent.accepted > 0),
+            ("consumer connect", signal.SIGINT, frozen.bootstrap, None),
+        ]
+        for name, sig, bootstrap, point in points:
+            log = tmp_path / f"start-{name.replace(' ', '-')}-{sig.name}.log"
+            group = f"start-{uuid.uuid4().hex[:6]}"
+            cmd = worker_command(
+                bootstrap, tmp_path, frozen_topics if bootstrap == frozen.bootstrap else topics,
+                group,
+            )  # fmt: skip
+            # None: freeze the broker once the worker is past every check
+            reached = point or _frozen_once_loading(frozen, log)
+            proc = _start(cmd, log)
+            try:
+                deadline = time.monotonic() + 300
+                while not reached(proc.pid):
+                    assert proc.poll() is None, (name, log.read_text())
+                    assert time.monotonic() < deadline, (name, log.read_text())
+                    time.sleep(0.01)
+                tree = process_tree(proc.pid)
+                t0 = time.monotonic()
+                _signal(proc, sig)
+                code = proc.wait(60)
+                took = time.monotonic() - t0
+                text = log.read_text(errors="replace")
+                assert code == 0, (name, sig.name, code, text[-3000:])
+                assert "Traceback" not in text, (name, sig.name, text[-3000:])
+                assert took < START_STOP_S, (name, sig.name, took, text[-3000:])
+                alive = still_alive(tree, 10)
+                assert not alive, (name, sig.name, [p.cmdline() for p in alive])
+                print(f"{sig.name} at {name}: exit {code} after {took:.1f}s, "
+                      f"{len(tree)} children gone")  # fmt: skip
+            finally:
+                if frozen.pid is not None:
+                    os.kill(frozen.pid, signal.SIGCONT)
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def _frozen_once_loading(frozen: EmbeddedBroker, log: Path) -> Callable[[int], bool]:
+    """Reached when the worker has logged that it starts consuming, having found the broker
+    frozen (SIGSTOP) since its engine began loading: its producer and consumer then connect to
+    a broker that accepts connections and never answers."""
+    state = {"frozen": False}
+
+    def reached(pid: int) -> bool:
+        if not state["frozen"] and _engine_core_started(pid):
+            assert frozen.pid is not None
+            os.kill(frozen.pid, signal.SIGSTOP)
+            state["frozen"] = True
+        if state["frozen"] and "consuming" in log.read_text(errors="replace"):
+            time.sleep(1.0)  # well inside the connect
+            return True
+        return False
+
+    return reached
 
 
 @pytest.mark.timeout(600)

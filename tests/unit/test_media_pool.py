@@ -10,6 +10,7 @@ SIGSEGV itself, every time, also when decoded alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -18,8 +19,10 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from mmworker.preprocess.errors import PreprocessError, UndecodableImage
+from mmworker.preprocess.params import ImageParams, VideoParams
 from mmworker.preprocess.prepare import prepare_media
 from mmworker.schemas import Job, MediaRef
 from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
@@ -254,3 +257,39 @@ def test_a_dead_pool_stops_the_worker_with_exit_5_uncommitted_and_dead_letters_n
     assert code == ExitCode.INTERNAL == 5
     assert attempts == [1]  # not retried
     assert producer.on(DLQ) == [] and consumer.commits == []
+
+
+def _pid_after_decode(data: bytes) -> tuple[int, Any]:
+    return os.getpid(), prepare_media(data, ImageParams(), VideoParams())
+
+
+def test_the_pool_is_replaced_by_fresh_processes_every_recycle_after_decodes() -> None:
+    """Decoder memory grows slowly with what a process has decoded; a fresh pool every
+    `recycle_after` calls bounds it. Calls in flight at the switch finish in the old pool, whose
+    processes then exit; none of them fails."""
+    pool = DecodePool(_spawn_pool(), workers=1, recycle_after=3)
+    image = sample_image(64, 48, seed=5)
+
+    async def scenario() -> list[int]:
+        pids = []
+        for _ in range(7):
+            pid, prepared = await pool.run(_pid_after_decode, image)
+            assert prepared.pixels.size
+            pids.append(pid)
+        # Several at once across a switch: every one answered.
+        many = await asyncio.gather(*(pool.run(_pid_after_decode, image) for _ in range(5)))
+        assert all(prepared.pixels.size for _, prepared in many)
+        return pids
+
+    try:
+        first = pool.executor
+        pids = asyncio.run(scenario())
+        assert len(set(pids[:3])) == 1 and len(set(pids[3:6])) == 1, pids
+        assert len({pids[0], pids[3], pids[6]}) == 3, pids
+        assert pool.recycles == 3 and pool.rebuilds == 0
+        assert pool.executor is not first
+        with contextlib.suppress(psutil.NoSuchProcess):
+            _, alive = psutil.wait_procs([psutil.Process(pids[0])], timeout=20)
+            assert not alive, "the replaced pool's process did not exit"
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

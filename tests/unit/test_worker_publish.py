@@ -7,6 +7,8 @@ Retrying a non-retriable refusal forever would pin the partition's commit and, o
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -117,24 +119,97 @@ async def _no_sleep(delay: float) -> None:
 
 def test_assigned_partitions_start_paused_until_the_suspects_are_read() -> None:
     """Inside poll, before that same poll fetches: the worker may be full, and a partition may
-    come from a worker whose engine just died (its suspects must be known first)."""
+    come from a worker whose engine just died (its suspects must be known first). The round of
+    backpressure after the check resumes them, unless the worker is full."""
+    paused_now: set[Any] = set()
     paused: list[Any] = []
     resumed: list[Any] = []
+
+    def pause(*tps: Any) -> None:
+        paused.extend(tps)
+        paused_now.update(tps)
+
+    def resume(*tps: Any) -> None:
+        resumed.extend(tps)
+        paused_now.difference_update(tps)
+
+    from kafka.structs import TopicPartition as KTP
+
+    J1, J2, J3 = (KTP("jobs", n) for n in (1, 2, 3))
     worker, _ = _worker(Producer({}))
     suspects = worker._suspects
     assert isinstance(suspects, Suspects)
+    owned = {J1, J2}
     worker._consumer = SimpleNamespace(
-        pause=lambda *tps: paused.extend(tps),
-        resume=lambda *tps: resumed.extend(tps),
-        assignment=lambda: {"jobs-1", "jobs-2"},
-    )
-    worker._on_assigned(["jobs-1", "jobs-2"])
-    assert paused == ["jobs-1", "jobs-2"] and resumed == []
+        pause=pause, resume=resume, assignment=lambda: set(owned),
+        paused=lambda: set(paused_now), highwater=lambda tp: None,
+    )  # fmt: skip
+    worker._on_assigned([J1, J2])
+    assert paused == [J1, J2] and resumed == []
+    asyncio.run(worker._apply_backpressure())  # not checked yet: they stay paused
+    assert resumed == []
     asyncio.run(worker._check_suspects())
     assert suspects.refreshes == 1
-    assert sorted(resumed) == ["jobs-1", "jobs-2"]
-    # While the worker is full, they stay paused after the check (backpressure resumes them).
-    worker._paused = True
-    worker._on_assigned(["jobs-3"])
+    asyncio.run(worker._apply_backpressure())
+    assert sorted(resumed) == [J1, J2]
+    # While the worker is full, they stay paused after the check.
+    worker.held = lambda: worker._cfg.limits.max_in_flight  # type: ignore[method-assign]
+    owned.add(J3)
+    worker._on_assigned([J3])
     asyncio.run(worker._check_suspects())
-    assert "jobs-3" in paused and "jobs-3" not in resumed
+    asyncio.run(worker._apply_backpressure())
+    assert J3 in paused_now and J3 not in resumed
+
+
+def test_a_send_that_cannot_get_metadata_fails_at_max_block_ms_and_the_loop_keeps_running(
+) -> None:  # fmt: skip
+    """The real kafka-python producer against a broker that accepts connections and never
+    answers: `producer.send` blocks on metadata. It must give up at `kafka.max_block_ms` (not
+    kafka-python's 60 s), with a KafkaError the worker retries, and block the publish thread,
+    not the event loop that feeds the engine."""
+    from kafka import KafkaProducer
+
+    from mmworker.kafka_io import send
+    from tests.conftest import SilentBroker
+
+    max_block_ms = 1500
+    with SilentBroker() as silent:
+        cfg = load_config(kafka={"bootstrap_servers": silent.bootstrap,
+                                 "max_block_ms": max_block_ms})  # fmt: skip
+        assert cfg.kafka.max_block_ms == max_block_ms
+        # As make_producer builds it, minus the bootstrap check a silent broker fails at once.
+        producer = KafkaProducer(
+            bootstrap_servers=silent.bootstrap, max_block_ms=cfg.kafka.max_block_ms,
+            api_version=(2, 8),
+        )  # fmt: skip
+        publisher = ThreadPoolExecutor(1)
+
+        async def scenario() -> tuple[float, int, BaseException | None]:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            t0 = time.monotonic()
+            error: BaseException | None = None
+            try:
+                await send(producer, OUTPUT, "job-1", b"{}", "result", publisher)
+            except KafkaError as exc:
+                error = exc
+            took = time.monotonic() - t0
+            ticker.cancel()
+            return took, ticks, error
+
+        try:
+            took, ticks, error = asyncio.run(scenario())
+        finally:
+            producer.close(timeout=0)
+            publisher.shutdown(wait=False)
+    assert isinstance(error, KafkaTimeoutError), error
+    assert max_block_ms / 1000 - 0.1 <= took < max_block_ms / 1000 + 2, took
+    # The loop ran all along: about one tick per 50 ms of the block.
+    assert ticks >= int(took / 0.05) // 2, (ticks, took)
