@@ -517,10 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
         "before it is posted again",
     )  # fmt: skip
     _connection_args(p)
-    p.add_argument(
-        "--topic", metavar="TOPIC",
-        help="where to post (default: kafka.backfill_topic if set, else kafka.input_topic)",
-    )  # fmt: skip
+    p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
     _job_args(p)
     p.set_defaults(fn=cmd_backfill)
 

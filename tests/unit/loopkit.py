@@ -147,9 +147,6 @@ class Consumer:
     def highwater(self, tp: Any) -> int:
         return len(self.logs[TopicPartition(tp.topic, tp.partition)])
 
-    def position(self, tp: Any, timeout_ms: int | None = None) -> int:
-        return self.positions[TopicPartition(tp.topic, tp.partition)]
-
     def pause(self, *tps: Any) -> None:
         self._paused |= {TopicPartition(tp.topic, tp.partition) for tp in tps}
 

@@ -366,13 +366,7 @@ class _GuidedEngine:
         return 30
 
     async def generate(
-        self,
-        request_id: str,
-        instruction: str,
-        items: list[Any],
-        params: Any,
-        guide: Any = None,
-        background: bool = False,
+        self, request_id: str, instruction: str, items: list[Any], params: Any, guide: Any = None
     ) -> EngineOutput:
         self.asked.append((instruction, guide))
         return EngineOutput(self._text, self._finish, 100, params.max_tokens, 0.01)
