@@ -38,15 +38,8 @@ from tests.unit.loopkit import ScriptedRunner
 def test_giving_partitions_to_a_new_member_commits_them_and_keeps_running(
     broker: EmbeddedBroker,
 ) -> None:
-    tag = uuid.uuid4().hex[:6]
-    cfg = load_config(
-        kafka={"bootstrap_servers": broker.bootstrap, "group_id": f"rb-{tag}",
-               "input_topic": f"rb-{tag}.in", "output_topic": f"rb-{tag}.out",
-               "dead_letter_topic": f"rb-{tag}.dlq", "suspects_topic": f"rb-{tag}.suspects",
-               "commit_interval_s": 30.0, **GROUP_SETTINGS},  # only revokes commit in time
-        # Room for every job: all are answered before the newcomer joins, none committed yet.
-        limits={"shutdown_grace_s": 2, "max_in_flight": 4000},
-    )  # fmt: skip
+    # Room for every job: all are answered before the newcomer joins, none committed yet.
+    cfg = _config(broker.bootstrap, uuid.uuid4().hex[:6])
     ensure_worker_topics(cfg.kafka, 4)
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
     for i in range(2000):
@@ -60,24 +53,14 @@ def test_giving_partitions_to_a_new_member_commits_them_and_keeps_running(
 
     newcomer_owned: set[int] = set()
 
-    def newcomer() -> None:
-        c = KafkaConsumer(
-            cfg.kafka.input_topic, bootstrap_servers=broker.bootstrap,
-            group_id=cfg.kafka.group_id, enable_auto_commit=False,
-            partition_assignment_strategy=[CooperativeStickyAssignor], **GROUP_SETTINGS,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            c.poll(200)
-            newcomer_owned.update(tp.partition for tp in c.assignment())
-        c.close(autocommit=False)
-
     async def scenario() -> tuple[int, Worker]:
         worker = Worker(cfg, ScriptedRunner(cfg, Metrics(), behave), Metrics(), "tiny")
         task = asyncio.create_task(worker.run())
         await asyncio.sleep(8)  # consuming, nothing committed yet (30 s interval)
         assert len(worker._runner.started) == 2000  # type: ignore[attr-defined]
-        joiner = threading.Thread(target=newcomer)
+        joiner = threading.Thread(
+            target=_newcomer, args=(cfg, broker.bootstrap, newcomer_owned, 20.0)
+        )
         joiner.start()
         await asyncio.to_thread(joiner.join)
         assert worker._fatal is None, worker._fatal
