@@ -215,6 +215,12 @@ class EngineConfig(_Section):
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
     )
+    pixels_on_engine: bool = Field(
+        True,
+        description="Hand prepared media to the engine as uint8 pixels and normalise/patchify "
+        "them on its device (a model class registered beside vLLM's Qwen2.5-VL), instead of "
+        "running the HF processor in vLLM's front end; false: vLLM's processor path",
+    )
     frontend_keep_heap: bool | None = Field(
         None,
         description="In the process that runs vLLM's front end, malloc reuses freed memory "

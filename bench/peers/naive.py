@@ -78,7 +78,10 @@ def naive_loop(
                     tokenize=False,
                     add_generation_prompt=True,
                 )
-                prompt = {"prompt": text, "multi_modal_data": _mm_data([EngineItem(item, "")])}
+                prompt = {
+                    "prompt": text,
+                    "multi_modal_data": _mm_data([EngineItem(item, "")], raw_pixels=False),
+                }
                 g0 = time.perf_counter()
                 out = llm.generate([prompt], sampling, use_tqdm=False)[0]
                 generate_s += time.perf_counter() - g0

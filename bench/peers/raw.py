@@ -32,15 +32,15 @@ def load_worker_config(worker_args: list[str]) -> Any:
 
 def engine_kwargs(cfg: Any, model_path: str, share: int = 1) -> dict[str, Any]:
     """`LLM(**kwargs)` as the worker builds its engine; `share` engines split the GPU memory the
-    way the worker's `processes` do, everything else (the CPU KV budget included) unchanged."""
+    way the worker's `processes` do, everything else (the CPU KV budget included) unchanged.
+    Plain vLLM: the worker's own model class for raw pixels (`engine.pixels_on_engine`) is not
+    something a user of vLLM alone has, so the peers run vLLM's processor path."""
     from mmworker.engine import Engine
 
-    engine = cfg.engine
+    update: dict[str, Any] = {"pixels_on_engine": False}
     if share > 1:
-        engine = engine.model_copy(
-            update={"gpu_memory_utilization": engine.gpu_memory_utilization / share}
-        )
-    return Engine(engine, model_path).engine_kwargs()
+        update["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization / share
+    return Engine(cfg.engine.model_copy(update=update), model_path).engine_kwargs()
 
 
 def sampling_params(max_tokens: int, ignore_eos: bool) -> Any:
@@ -145,7 +145,10 @@ def prompts(
     text = chat_prompt(tokenizer, DEFAULT_PROMPTS[kind], (kind,))
     out = []
     for sha, item in prepared[kind]:
-        p: dict[str, Any] = {"prompt": text, "multi_modal_data": _mm_data([EngineItem(item, sha)])}
+        p: dict[str, Any] = {
+            "prompt": text,
+            "multi_modal_data": _mm_data([EngineItem(item, sha)], raw_pixels=False),
+        }
         if suffix is not None:
             p["multi_modal_uuids"] = {kind: [sha + suffix]}
         out.append(p)

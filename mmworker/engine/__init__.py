@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
-from mmworker.engine import frontend, shared_core
+from mmworker.engine import frontend, pixels, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
@@ -87,6 +87,7 @@ class Engine:
         self._encoder_store = encoder_store
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._raw_pixels = False
         self._prompts: dict[tuple[str, tuple[str, ...]], tuple[str, int]] = {}
         self._busy_since: float | None = None
         self._active = 0
@@ -121,6 +122,9 @@ class Engine:
                 usage_context=UsageContext.LLM_CLASS,
                 stat_loggers=self._stat_loggers(),
             )
+        self._raw_pixels = pixels.ARCHITECTURE in (
+            self._llm.model_config.hf_config.architectures or ()
+        )
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, revision=self._cfg.model_revision
         )
@@ -181,11 +185,19 @@ class Engine:
                 "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
             }
         kwargs["structured_outputs_config"] = dict(ENGINE_STRUCTURED_OUTPUTS)
+        if cfg.pixels_on_engine:
+            kwargs["hf_overrides"] = pixels.use_pixel_model
         if not self._progress_bars:
             kwargs["use_tqdm_on_load"] = False
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
         return kwargs
+
+    @property
+    def raw_pixels(self) -> bool:
+        """Whether media go to the engine as uint8 pixels (`engine.pixels_on_engine` with a
+        Qwen2.5-VL checkpoint), known once started."""
+        return self._raw_pixels
 
     def prompt_text(self, instruction: str, kinds: tuple[str, ...]) -> str:
         return self._prompt(instruction, kinds)[0]
@@ -223,7 +235,7 @@ class Engine:
         kinds = tuple(item.kind for item in items)
         prompt: dict[str, Any] = {
             "prompt": self.prompt_text(instruction, kinds),
-            "multi_modal_data": _mm_data(items),
+            "multi_modal_data": _mm_data(items, self._raw_pixels),
             "multi_modal_uuids": _mm_uuids(items),
         }
         sampling = SamplingParams(
@@ -432,11 +444,13 @@ def chat_prompt(tokenizer: Any, instruction: str, kinds: tuple[str, ...]) -> str
     return str(text)
 
 
-def _mm_data(items: list[EngineItem]) -> dict[str, list[Any]]:
+def _mm_data(items: list[EngineItem], raw_pixels: bool) -> dict[str, list[Any]]:
     data: dict[str, list[Any]] = {}
     for item in items:
         prepared = item.prepared
-        if isinstance(prepared, PreparedImage):
+        if raw_pixels:
+            data.setdefault(item.kind, []).append(pixels.raw_pixels(prepared))
+        elif isinstance(prepared, PreparedImage):
             data.setdefault("image", []).append(Image.fromarray(prepared.pixels))
         else:
             frames = np.ascontiguousarray(prepared.frames)
