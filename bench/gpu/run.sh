@@ -10,7 +10,8 @@
 # (bench/peers/serve.py) also needs uvicorn, prometheus-fastapi-instrumentator, aiohttp and its
 # dependencies, python-multipart, httptools, uvloop and watchfiles (+ anyio), and vLLM 0.25's API
 # server imports model-hosting-container-standards (+ jmespath, supervisor, httpx, httpcore):
-# carry those as wheels in .whl/ (session 7 did).
+# carry those as wheels in .whl/ (session 7 did). engine.quantization="fp8" on vLLM 0.25 also
+# imports compressed-tensors (+ loguru, frozendict): carried in .whl/ in session 9.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 stage=${STAGE:-/tmp/stage}

@@ -23,11 +23,12 @@ shift
 case $stage in
 check)
     bash bench/gpu/run.sh --help >/dev/null  # installs the bundle and the package if needed
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>/dev/null
     python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_engine_pixels.py 2>&1 \
         | tail -15 | tee "$res/check.txt"
     ;;
 peers)
-    "${R[@]}" --raw-repeats 1 --naive-images 60 --naive-videos 6 --raw-engines 2 --passes "" \
+    "${R[@]}" --raw-repeats 1 --naive-images 40 --naive-videos 4 --raw-engines 2 --passes "" \
         --out "$res/peers.json" 2>&1 | tail -40
     ;;
 serve)

@@ -186,7 +186,7 @@ class Engine:
             }
         kwargs["structured_outputs_config"] = dict(ENGINE_STRUCTURED_OUTPUTS)
         if cfg.pixels_on_engine:
-            kwargs["hf_overrides"] = pixels.use_pixel_model
+            kwargs["hf_overrides"] = pixels.overrides(self.model_path, cfg.model_revision)
         if not self._progress_bars:
             kwargs["use_tqdm_on_load"] = False
         kwargs = {k: v for k, v in kwargs.items() if v is not None}

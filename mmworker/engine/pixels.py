@@ -80,6 +80,18 @@ def raw_pixels(prepared: PreparedImage | PreparedVideo) -> RawPixels:
     return RawPixels(rows=flat, grid_thw=(t, h, w), second_per_grid=second)
 
 
+def overrides(model_path: str, revision: str | None) -> dict[str, Any] | None:
+    """vLLM `hf_overrides` that serve a Qwen2.5-VL checkpoint with the pixel-path class, or None
+    for any other architecture (which keeps the processor path). A dict, not a callable: vLLM
+    0.25 refuses a callable beside `quantization` ("hf_overrides must be a dict")."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, revision=revision)
+    if use_pixel_model(config).architectures == [ARCHITECTURE]:
+        return {"architectures": [ARCHITECTURE]}
+    return None
+
+
 def use_pixel_model(hf_config: Any) -> Any:
     """vLLM `hf_overrides` hook: a Qwen2.5-VL checkpoint is served by the pixel-path class; any
     other architecture is left as it is (and gets the processor path)."""

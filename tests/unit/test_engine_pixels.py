@@ -3,8 +3,9 @@
 vLLM's own multimodal processor for the tiny Qwen2.5-VL checkpoint is run twice on the same
 prepared media: once as the worker used to call it (PIL image, frames + metadata) and once with
 `pixels.RawPixels` through the registered pixel-path class. Compared bit for bit: the prompt's
-token ids (placeholder expansion), the placeholder ranges, the patch grids, the M-RoPE time step,
-and the encoder's patches after `Patchify.layout`; `Patchify.normalize` against transformers'
+token ids (placeholder expansion), the placeholder ranges, the patch grids and the encoder's
+patches after `Patchify.layout` (and `normalize`, where vLLM 0.25 normalises in the front end);
+the M-RoPE time step against its definition; `Patchify.normalize` against transformers'
 own image and video processors (what vLLM 0.25 runs in its front end).
 """
 
@@ -81,7 +82,9 @@ def processors(model_dir: Path) -> Iterator[tuple[Any, Any]]:
         )
         return MULTIMODAL_REGISTRY.create_processor(config)
 
-    yield make(), make(hf_overrides=pixels.use_pixel_model)
+    overrides = pixels.overrides(str(model_dir), None)
+    assert overrides == {"architectures": [pixels.ARCHITECTURE]}
+    yield make(), make(hf_overrides=overrides)
 
 
 def _run(processor: Any, prompt: str, data: dict[str, list[Any]]) -> Any:
@@ -132,9 +135,15 @@ def test_the_encoder_gets_the_processor_paths_exact_inputs(
             else:  # vLLM 0.25: normalised floats in the model dtype
                 assert torch.equal(patchify.normalize(patches).to(expected.dtype), expected)
             if modality == "video":
+                # Qwen2.5-VL's M-RoPE time step: 2 / the sampled frame rate, in the model dtype
+                # as vLLM casts the processor's floats. vLLM 0.3x's processor path gives the
+                # same (tests/unit/test_video_parity.py); vLLM 0.25 hands the processor no
+                # metadata, so transformers assumes 24 fps there (0.0835 s for 1.7 fps
+                # frames, seen on the H200 host): that path's positions were wrong.
                 step = item_got["second_per_grid_ts"].data
-                assert step.dtype == item_want["second_per_grid_ts"].data.dtype
-                assert torch.equal(step, item_want["second_per_grid_ts"].data)
+                want_step = item_want["second_per_grid_ts"].data
+                assert step.dtype == want_step.dtype
+                assert torch.equal(step, torch.tensor(2 / VIDEO.sample_fps).to(step.dtype))
 
 
 def test_normalize_is_transformers_arithmetic_bit_for_bit(model_dir: Path) -> None:
