@@ -128,7 +128,12 @@ def peers_main(spec_path: Path) -> int:
                 spec["bootstrap"],
                 topics,
                 sampling,
-                o["naive_images" if kind == "image" else "naive_videos"],
+                # What was posted: `paths[:limit]` is fewer than the limit when the pass has
+                # fewer media, and waiting for the limit then hung to the deadline.
+                min(
+                    o["naive_images" if kind == "image" else "naive_videos"],
+                    len(spec["images"] if kind == "image" else spec["videos"]),
+                ),
             )
             for kind, topics in spec["naive_topics"].items()
         }
