@@ -567,7 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_broker)
 
     p = command("schema", "print the JSON Schemas of the wire messages")
-    p.add_argument("name", nargs="?", choices=["job", "result", "failure"])
+    p.add_argument(
+        "name", nargs="?", choices=["job", "result", "failure"], help="one message (default: all)"
+    )
     p.set_defaults(fn=cmd_schema)
 
     p = command("config", "print the effective config (secrets masked)")
@@ -576,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_config)
 
     p = command("tiny-model", "build a random-weight Qwen2.5-VL for tests")
-    p.add_argument("directory", type=Path)
+    p.add_argument("directory", type=Path, help="where to write the model (created)")
     p.add_argument("--arch", choices=["tiny", "3b"], default="tiny", help="architecture")
     p.add_argument("--seed", type=int, default=0, help="weight seed")
     p.set_defaults(fn=cmd_tiny_model)
