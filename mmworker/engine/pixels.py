@@ -20,12 +20,15 @@ plugin and only names the model class; `mm_data` runs on the worker's hot path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mmworker.preprocess.params import PreparedImage, PreparedVideo
+
+log = logging.getLogger(__name__)
 
 #: The architecture name the worker gives vLLM (`hf_overrides`) for the Qwen2.5-VL model class
 #: that accepts raw pixels; registered beside vLLM's own, which other users of the same
@@ -86,7 +89,11 @@ def overrides(model_path: str, revision: str | None) -> dict[str, Any] | None:
     0.25 refuses a callable beside `quantization` ("hf_overrides must be a dict")."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, revision=revision)
+    try:
+        config = AutoConfig.from_pretrained(model_path, revision=revision)
+    except OSError as exc:  # not downloadable here (offline, no such id): vLLM decides later
+        log.warning("pixel path off: cannot read %s's config (%s)", model_path, exc)
+        return None
     if use_pixel_model(config).architectures == [ARCHITECTURE]:
         return {"architectures": [ARCHITECTURE]}
     return None
