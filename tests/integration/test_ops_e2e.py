@@ -28,6 +28,8 @@ from tests.integration.workerkit import (
     Collector,
     Posted,
     WorkerProcess,
+    describe,
+    is_engine_core,
     make_topics,
     post,
     process_tree,
@@ -160,9 +162,8 @@ def test_json_log_lines_of_a_job_are_found_by_its_id(ops: dict[str, Any]) -> Non
 
 def _engine_core(worker: WorkerProcess) -> psutil.Process:
     assert worker.proc is not None
-    cores = [p for p in process_tree(worker.proc.pid)
-             if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name()]  # fmt: skip
-    assert len(cores) == 1, [p.name() for p in process_tree(worker.proc.pid)]
+    cores = [p for p in process_tree(worker.proc.pid) if is_engine_core(p)]
+    assert len(cores) == 1, [describe(p) for p in process_tree(worker.proc.pid)]
     return cores[0]
 
 

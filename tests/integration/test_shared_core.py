@@ -6,7 +6,6 @@ import signal
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from mmworker.schemas import GenerationParams, Job, MediaRef
 
@@ -16,6 +15,7 @@ from tests.integration.workerkit import (
     Collector,
     Posted,
     WorkerProcess,
+    is_engine_core,
     make_topics,
     post,
     process_tree,
@@ -55,7 +55,7 @@ def test_two_workers_feed_one_engine_core_and_drain_on_sigterm(
         assert answered_by == {"pair-0", "pair-1"}, worker.log()
         assert worker.proc is not None
         tree = process_tree(worker.proc.pid)
-        cores = [p for p in tree if _is_engine_core(p)]
+        cores = [p for p in tree if is_engine_core(p)]
         # One engine core for both workers: the point of the setting.
         assert len(cores) == 1, tree
         worker.signal(signal.SIGTERM)
@@ -67,12 +67,3 @@ def test_two_workers_feed_one_engine_core_and_drain_on_sigterm(
     got = wait_committed(broker.bootstrap, group, topics["input"], posted.ends(), timeout=20)
     assert got == posted.ends()
     collector.close()
-
-
-def _is_engine_core(proc: psutil.Process) -> bool:
-    """vLLM renames its engine-core process (VLLM::EngineCore); a child that exited since the
-    tree was taken is not one."""
-    try:
-        return "EngineCore" in " ".join(proc.cmdline()) + proc.name()
-    except psutil.Error:
-        return False

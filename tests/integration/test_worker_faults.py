@@ -24,6 +24,8 @@ from tests.integration.workerkit import (
     Collector,
     Posted,
     WorkerProcess,
+    describe,
+    is_engine_core,
     make_topics,
     post,
     process_tree,
@@ -165,7 +167,7 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def _engine_core_started(pid: int) -> bool:
-    return any("EngineCore" in p.name() + " ".join(p.cmdline()) for p in process_tree(pid))
+    return any(is_engine_core(p) for p in process_tree(pid))
 
 
 #: Longest a start-up signal may take to stop the worker: well under the 30 s a Kafka client
@@ -227,7 +229,7 @@ def test_a_signal_at_any_point_of_start_up_exits_0_and_leaves_no_process(
                 assert "Traceback" not in text, (name, sig.name, text[-3000:])
                 assert took < START_STOP_S, (name, sig.name, took, text[-3000:])
                 alive = still_alive(tree, 10)
-                assert not alive, (name, sig.name, [p.cmdline() for p in alive])
+                assert not alive, (name, sig.name, [describe(p) for p in alive])
                 print(f"{sig.name} at {name}: exit {code} after {took:.1f}s, "
                       f"{len(tree)} children gone")  # fmt: skip
             finally:
@@ -299,10 +301,10 @@ def test_a_sigkilled_worker_leaves_no_process_behind(
         _wait_for_log(w, "consuming", 300)
         assert w.proc is not None
         tree = process_tree(w.proc.pid)
-        names = [" ".join(p.cmdline())[:80] for p in tree]
+        names = [describe(p)[:80] for p in tree]
         assert len(tree) >= 2, names  # at least the engine core and a preprocessing process
         # Out of the worker's process group: a terminal's Ctrl-C does not reach them directly.
-        engine_cores = [p for p in tree if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        engine_cores = [p for p in tree if is_engine_core(p)]
         assert engine_cores, names
         assert all(os.getpgid(p.pid) != os.getpgid(w.proc.pid) for p in engine_cores)
         # The engine core is outside the worker's process group, so killing the group would not
@@ -310,5 +312,5 @@ def test_a_sigkilled_worker_leaves_no_process_behind(
         os.kill(w.proc.pid, signal.SIGKILL)
         w.proc.wait(10)
         alive = still_alive(tree, 10)
-        assert not alive, [p.cmdline() for p in alive]
+        assert not alive, [describe(p) for p in alive]
     print(f"{len(tree)} child processes gone after SIGKILL: {names}")

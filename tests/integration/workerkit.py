@@ -31,6 +31,20 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def describe(proc: psutil.Process) -> str:
+    """Name and command line of `proc`; empty for a child that exited (or is a zombie) since
+    the tree was taken, which start-up's short-lived helpers (`uname`, compilers) often are."""
+    try:
+        return f"{proc.name()} {' '.join(proc.cmdline())}"
+    except psutil.Error:
+        return ""
+
+
+def is_engine_core(proc: psutil.Process) -> bool:
+    """vLLM renames its engine-core process (VLLM::EngineCore)."""
+    return "EngineCore" in describe(proc)
+
+
 def still_alive(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """The ones of `procs` still running after `timeout` seconds (zombies count as gone)."""
     _gone, alive = psutil.wait_procs(procs, timeout=timeout)
