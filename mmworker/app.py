@@ -172,6 +172,7 @@ async def _serve(
             core=core,
             # A progress bar is a terminal's; in a JSON log it is a line no parser can read.
             progress_bars=cfg.logging.format == "text",
+            lanes=cfg.kafka.backfill_topic is not None,
         )
         check_interrupted()
         engine.start()

@@ -578,7 +578,8 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         acks="all", linger_ms=20, max_block_ms=cfg.kafka.max_block_ms,
         max_request_size=cfg.kafka.max_request_size, **cfg.kafka.client_kwargs(),
     )  # fmt: skip
-    poster = Poster(producer, args.topic or cfg.kafka.input_topic, journal, state)
+    topic = args.topic or cfg.kafka.backfill_topic or cfg.kafka.input_topic
+    poster = Poster(producer, topic, journal, state)
     started = time.monotonic()
     bar = tqdm(total=tally.total, unit="row", desc=f"backfill {name}", file=sys.stderr,
                initial=len(state.outcomes), smoothing=0.1)  # fmt: skip

@@ -517,7 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
         "before it is posted again",
     )  # fmt: skip
     _connection_args(p)
-    p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
+    p.add_argument(
+        "--topic", metavar="TOPIC",
+        help="where to post (default: kafka.backfill_topic if set, else kafka.input_topic)",
+    )  # fmt: skip
     _job_args(p)
     p.set_defaults(fn=cmd_backfill)
 

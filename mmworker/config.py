@@ -76,6 +76,11 @@ class KafkaConfig(_Section):
     client_id: str = Field("mmworker", description="Kafka client.id, visible in broker logs")
     group_id: str = Field("mmworker", description="Consumer group shared by all workers")
     input_topic: str = Field("mmworker.jobs", description="Where jobs are read from")
+    backfill_topic: str | None = Field(
+        None,
+        description="Lower-priority input (e.g. what `mmworker backfill` posts to): read by the "
+        "same workers only while the input topic has nothing waiting or in flight; null: none",
+    )
     output_topic: str = Field("mmworker.results", description="Where results are written")
     dead_letter_topic: str = Field("mmworker.dead-letter", description="Where failures go")
     suspects_topic: str = Field(
@@ -182,6 +187,11 @@ class EngineConfig(_Section):
     )
     max_model_len: int | None = Field(16384, ge=256, description="Context length")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per engine step")
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None,
+        description="vLLM's scheduling policy; unset: priority when kafka.backfill_topic is set "
+        "(live requests before backfill ones), else vLLM's default (fcfs)",
+    )
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step")
     enable_chunked_prefill: bool | None = Field(
         None,
@@ -422,6 +432,22 @@ class LimitsConfig(_Section):
         "engine_crash instead of run again",
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
+    backfill_share: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="Share of max_in_flight that jobs of kafka.backfill_topic may hold; the rest "
+        "is kept for live jobs",
+    )
+    backfill_beside_live: int = Field(
+        8,
+        ge=0,
+        description="Backfill jobs held at most while live traffic is recent (a live job within "
+        "live_idle_s): on a CPU every request inside the engine slows each step of a live one",
+    )
+    live_idle_s: float = Field(
+        5.0, ge=0, description="Seconds without a live job after which backfill gets its full share"
+    )
 
 
 class HealthConfig(_Section):

@@ -1,40 +1,115 @@
-"""Who may be inside the engine at once: everyone, or one suspect alone.
+"""Who may be inside the engine at once: everyone, or one suspect alone; and backfill jobs only
+while no live job is being worked on.
 
 After an engine death every job that was inside it is a suspect; running each alone is how the
 one that kills the engine is told apart from its innocent batch-mates. A suspect waits until the
 engine is empty and, while it waits or runs, no other job enters (writer preference), so it also
 runs before the later jobs of its partition that are still being prepared.
+
+A live job shares each engine step with every request inside, so backfill jobs already prepared
+wait at the gate while a live job is anywhere between its parse and its result (`foreground`).
+vLLM preempts only for KV-cache room, never for priority, so a live job arriving after a quiet
+spell would share every step with a full backfill batch: more than `keep` backfill requests
+inside are then preempted (aborted in the engine; each goes back to the gate and runs again
+from the start once the live jobs are done). Fewer than that are left to finish beside it: the
+worker holds backfill to `limits.backfill_beside_live` jobs while live traffic is recent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 
 class EngineGate:
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0, idle_s: float = 0.0) -> None:
+        #: Backfill requests allowed inside while live traffic is recent (a live job within
+        #: `idle_s`); more are preempted when a live job arrives.
+        self._keep = keep
+        self._idle_s = idle_s
+        self._last_live = float("-inf")
+        #: Engine calls of backfill jobs inside now (`track`), and those preempted.
+        self._background: list[asyncio.Future[Any]] = []
+        self._preempted: set[asyncio.Future[Any]] = set()
         self._cond = asyncio.Condition()
         self._inside = 0  # ordinary jobs in the engine
+        self._background_inside = 0
         self._alone = False  # a suspect holds the engine
         self._waiting_alone = 0
+        self._foreground = 0  # live jobs being worked on (only counted with a backfill lane)
 
     @property
     def isolating(self) -> bool:
         return self._alone or self._waiting_alone > 0
 
+    def _recent_left(self) -> float:
+        """Seconds until live traffic stops counting as recent (≤ 0: it does not)."""
+        return self._last_live + self._idle_s - time.monotonic()
+
+    def _may_enter(self, background: bool) -> bool:
+        if self.isolating:
+            return False
+        if not background:
+            return True
+        if self._foreground:
+            return False
+        return self._background_inside < self._keep or self._recent_left() <= 0
+
     @asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
+    async def foreground(self) -> AsyncIterator[None]:
+        """Held by a live job from its parse to its result: backfill jobs do not enter meanwhile,
+        and the first live job after none preempts the backfill calls beyond `keep`."""
+        if self._foreground == 0:
+            for call in self._background[self._keep :]:
+                self._preempted.add(call)
+                call.cancel()
+        self._foreground += 1
+        self._last_live = time.monotonic()
+        try:
+            yield
+        finally:
+            self._foreground -= 1
+            self._last_live = time.monotonic()
+            if self._foreground == 0:
+                async with self._cond:
+                    self._cond.notify_all()
+
+    @asynccontextmanager
+    async def shared(self, background: bool = False) -> AsyncIterator[None]:
         async with self._cond:
-            await self._cond.wait_for(lambda: not self.isolating)
+            while not self._may_enter(background):
+                left = self._recent_left() if background else 0.0
+                if left > 0 and not self._foreground:  # wake when traffic stops being recent
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), left)
+                else:
+                    await self._cond.wait()
             self._inside += 1
+            self._background_inside += background
         try:
             yield
         finally:
             async with self._cond:
                 self._inside -= 1
+                self._background_inside -= background
                 self._cond.notify_all()
+
+    def track(self, call: asyncio.Future[Any]) -> None:
+        """A backfill job's engine call, which a live job may preempt."""
+        self._background.append(call)
+
+    def untrack(self, call: asyncio.Future[Any]) -> bool:
+        """Forget the call; True if it ended because the gate preempted it."""
+        if call in self._background:
+            self._background.remove(call)
+        if call in self._preempted:
+            self._preempted.discard(call)
+            return call.cancelled()
+        return False
 
     @asynccontextmanager
     async def alone(self) -> AsyncIterator[None]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from mmworker import logs
 from mmworker.config import WorkerConfig
-from mmworker.engine import Engine, EngineItem
+from mmworker.engine import Engine, EngineItem, EngineOutput
 from mmworker.engine.guidance import Checked, GrammarChecker, parse_answer
 from mmworker.errors import (
     ConfigError,
@@ -31,6 +31,7 @@ from mmworker.errors import (
     WorkerError,
 )
 from mmworker.gate import EngineGate
+from mmworker.lanes import BACKGROUND
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
 from mmworker.preprocess.tokens import fair_shares
@@ -65,7 +66,7 @@ class JobRunner:
         self._engine = engine
         self._media = media
         self._metrics = metrics
-        self._gate = EngineGate()
+        self._gate = EngineGate(cfg.limits.backfill_beside_live, cfg.limits.live_idle_s)
         self._grammars = GrammarChecker(cfg.structured_output, self._grammar_tokenizer)
         #: Jobs inside the engine now, by request id.
         self._in_engine: dict[str, SourceCoords] = {}
@@ -112,6 +113,12 @@ class JobRunner:
             self._metrics.suspects.labels("isolated").inc()
             log.warning("%s was inside %d engine death(s): running it alone", ctx.source, deaths)
             return await self._run(raw, ctx, broker_ts_ms, isolated=True)
+        lane = self._cfg.kafka.backfill_topic
+        if lane is not None and ctx.source.topic != lane:
+            async with self._gate.foreground():  # a live job, with a backfill lane beside it
+                return await self._run(raw, ctx, broker_ts_ms, isolated=False)
+        if lane is not None:
+            BACKGROUND.set(True)  # this job's task only: it runs in a context of its own
         return await self._run(raw, ctx, broker_ts_ms, isolated=False)
 
     async def _run(
@@ -191,24 +198,10 @@ class JobRunner:
         instruction = plan.instruction(kinds)
         self._check_budget(job, media, instruction, kinds)
         items = [EngineItem(m.prepared, m.key) for m in media]
-        request_id = (
-            f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
-        )
-        # A suspect waits for the engine to empty and holds it alone (only for its generation:
-        # its fetch, decode and retry pauses do not keep the engine idle); others share it.
-        async with self._gate.alone() if isolated else self._gate.shared():
-            self._in_engine[request_id] = ctx.source
-            try:
-                out = await self._engine.generate(
-                    request_id, instruction, items, job.generation,
-                    guide=checked.guide if checked else None,
-                )  # fmt: skip
-            except EngineFatal:
-                if self.dead_with is None:  # the first to see the death sees everyone inside
-                    self.dead_with = list(self._in_engine.values())
-                raise
-            finally:
-                del self._in_engine[request_id]
+        background = ctx.source.topic == self._cfg.kafka.backfill_topic
+        out = None
+        while out is None:  # a backfill job preempted by a live one goes round again
+            out = await self._generate(job, ctx, instruction, items, checked, isolated, background)
         self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
         self._metrics.output_tokens.inc(out.output_tokens)
         parsed = None
@@ -220,6 +213,40 @@ class JobRunner:
             job=job, media=media, out=out, ctx=ctx, queue_wait_s=queue_wait_s,
             total_s=time.perf_counter() - t0, parsed=parsed,
         )  # fmt: skip
+
+    async def _generate(
+        self, job: Job, ctx: Context, instruction: str, items: list[EngineItem],
+        checked: Checked | None, isolated: bool, background: bool,
+    ) -> EngineOutput | None:  # fmt: skip
+        """One pass through the engine gate; None if a live job preempted it (`EngineGate`)."""
+        request_id = (
+            f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
+        )
+        # A suspect waits for the engine to empty and holds it alone (only for its generation:
+        # its fetch, decode and retry pauses do not keep the engine idle); others share it.
+        async with self._gate.alone() if isolated else self._gate.shared(background):
+            self._in_engine[request_id] = ctx.source
+            call = asyncio.ensure_future(self._engine.generate(
+                request_id, instruction, items, job.generation,
+                guide=checked.guide if checked else None, background=background,
+            ))  # fmt: skip
+            if background:
+                self._gate.track(call)
+            try:
+                return await call
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._gate.untrack(call) and not (task and task.cancelling()):
+                    self._metrics.preempted.inc()
+                    return None
+                raise
+            except EngineFatal:
+                if self.dead_with is None:  # the first to see the death sees everyone inside
+                    self.dead_with = list(self._in_engine.values())
+                raise
+            finally:
+                self._gate.untrack(call)
+                del self._in_engine[request_id]
 
     async def _check_format(self, plan: Plan) -> Checked | None:
         """The job's response_format, compiled (once per distinct format) before anything is

@@ -185,6 +185,8 @@ def ensure_worker_topics(cfg: KafkaConfig, partitions: int) -> None:
     """The worker's own topics: input, output and reply topics with `partitions`, dead-letter 1,
     and the compacted suspects topic."""
     topics = {cfg.input_topic: partitions, cfg.output_topic: partitions, cfg.dead_letter_topic: 1}
+    if cfg.backfill_topic is not None:
+        topics[cfg.backfill_topic] = partitions
     ensure_topics(cfg, {name: partitions for name in cfg.reply_topics} | topics)
     ensure_topics(cfg, {cfg.suspects_topic: 1}, configs=SUSPECTS_TOPIC_CONFIG)
 
@@ -302,6 +304,45 @@ def poll(consumer: Any, timeout_ms: int, max_records: int) -> dict[Any, list[Any
     if slot is not None and not slot:
         fetcher._next_partition_records = None  # type: ignore[union-attr]
     return consumer.poll(timeout_ms, max_records=max_records)  # type: ignore[no-any-return]
+
+
+def unparsed_highwater(consumer: Any) -> dict[Any, int]:
+    """High-water marks carried by fetch responses the fetcher holds but has not parsed yet.
+
+    kafka-python updates `highwater()` only when poll reaches a partition's response, after the
+    batches queued ahead of it; a live record's response behind a backfill batch would then go
+    unseen until that batch is drained. Reads the fetcher's queue: private API of the pinned
+    release, hence here."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    marks: dict[Any, int] = {}
+    for completed in list(getattr(fetcher, "_completed_fetches", ())):
+        high = getattr(completed.partition_data, "high_watermark", -1)
+        if high is not None and high >= 0:
+            tp = completed.topic_partition
+            marks[tp] = max(marks.get(tp, high), high)
+    return marks
+
+
+def may_have_records(consumer: Any, tp: Any, unparsed: dict[Any, int] | None = None) -> bool:
+    """Whether the partition may have records this consumer has not handed out yet: its
+    high-water mark (`unparsed_highwater` included) past its position, or either not known
+    yet.
+
+    The position is read from the subscription state, not `KafkaConsumer.position()`: that one
+    refreshes committed offsets and resets positions first (round trips, and a timeout error on
+    a partition just assigned), where this check must be a read that cannot fail."""
+    known = consumer.highwater(tp)
+    pending = (unparsed or {}).get(tp)
+    high = pending if known is None else max(known, pending or known)
+    if high is None:
+        return True
+    state = getattr(consumer, "_subscription", None)
+    try:
+        position = state.position(tp) if state is not None else None
+    except KeyError:  # revoked meanwhile
+        return False
+    offset = getattr(position, "offset", position)
+    return offset is None or high > offset
 
 
 def close_consumer(consumer: KafkaConsumer, timeout_ms: int) -> None:

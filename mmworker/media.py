@@ -26,6 +26,7 @@ from typing import TypeVar
 from mmworker.cache import FeatureCache, make_key
 from mmworker.config import PreprocessConfig
 from mmworker.errors import PreprocessPoolDead
+from mmworker.lanes import PrioritySlots
 from mmworker.preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
 from mmworker.preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
 from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
@@ -111,7 +112,7 @@ class DecodePool:
         #: The one-process pool suspects are decoded in, started at the first break.
         self._alone: Executor | None = None
         #: (loop, places in the shared pool, the place in the alone pool): see `_slots`.
-        self._limits: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore, asyncio.Semaphore] | None
+        self._limits: tuple[asyncio.AbstractEventLoop, PrioritySlots, asyncio.Semaphore] | None
         self._limits = None
         #: Pools replaced since start: each is a process that died under a decode or between.
         self.rebuilds = 0
@@ -128,12 +129,13 @@ class DecodePool:
         assert self._factory is not None
         return self._factory(workers)
 
-    def _slots(self) -> tuple[asyncio.Semaphore, asyncio.Semaphore]:
-        """(calls the shared pool may hold, calls the alone pool may hold), for the running loop
-        (a semaphore is bound to the loop it first waits in; tests run several loops)."""
+    def _slots(self) -> tuple[PrioritySlots, asyncio.Semaphore]:
+        """(calls the shared pool may hold, live jobs' first; calls the alone pool may hold), for
+        the running loop (a semaphore is bound to the loop it first waits in; tests run several
+        loops)."""
         loop = asyncio.get_running_loop()
         if self._limits is None or self._limits[0] is not loop:
-            self._limits = (loop, asyncio.Semaphore(self.workers + 1), asyncio.Semaphore(1))
+            self._limits = (loop, PrioritySlots(self.workers + 1), asyncio.Semaphore(1))
         return self._limits[1], self._limits[2]
 
     async def run(self, fn: Callable[..., _T], *args: object) -> _T:

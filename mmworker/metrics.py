@@ -130,6 +130,11 @@ class Metrics:
             ["action"],
             registry=r,
         )
+        self.preempted = Counter(
+            "mmworker_backfill_preempted",
+            "Backfill generations aborted in the engine for a live job, then run again",
+            registry=r,
+        )
         self.output_tokens = Counter("mmworker_output_tokens", "Generated tokens", registry=r)
         self.response_formats = Counter(
             "mmworker_response_formats",

@@ -168,6 +168,7 @@ def _run_shared(
         model,
         encoder_store=encoder_store_dir(cfg),
         progress_bars=cfg.logging.format == "text",  # the core loads the weights
+        lanes=cfg.kafka.backfill_topic is not None,
     ).engine_kwargs()
     readies: list[Event] = []
 

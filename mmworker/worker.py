@@ -46,8 +46,10 @@ from mmworker.kafka_io import (
     ensure_suspects_topic,
     make_consumer,
     make_producer,
+    may_have_records,
     poll,
     send,
+    unparsed_highwater,
 )
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
@@ -110,11 +112,11 @@ class Worker:
         self._clients = clients or KafkaClients(cfg.kafka)
         self.tracker = OffsetTracker()
         self._live: dict[_Key, asyncio.Task[None]] = {}
-        #: The last offset started per partition: with the high-water mark, whether it has
-        #: records waiting (`_over_share`).
-        self._started: dict[TopicPartition, int] = {}
-        #: Each partition's share of max_in_flight while several have records waiting.
+        #: Most records one poll takes: a partition's share of max_in_flight while several may
+        #: have records waiting, and no more than backfill jobs may still take (`_to_pause`).
         self._share = cfg.limits.max_in_flight
+        self._backfill_cap = max(1, int(cfg.limits.max_in_flight * cfg.limits.backfill_share))
+        self._last_live = float("-inf")  # when a live job last started
         self._kafka = ThreadPoolExecutor(1, thread_name_prefix="kafka")  # the consumer's thread
         # producer.send blocks while metadata is missing or the buffer is full (max_block_ms)
         self._publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
@@ -157,7 +159,8 @@ class Worker:
         await self._on_kafka(self._suspects.refresh)
         self._consumer = await self._on_kafka(self._clients.consumer)
         listener = RebalanceListener(self._on_revoked, self._on_lost, self._on_assigned)
-        await self._on_kafka(self._consumer.subscribe, [k.input_topic], listener=listener)
+        topics = [k.input_topic] + ([k.backfill_topic] if k.backfill_topic else [])
+        await self._on_kafka(self._consumer.subscribe, topics, listener=listener)
 
     async def _consume(self) -> None:
         k, limits = self._cfg.kafka, self._cfg.limits
@@ -165,7 +168,7 @@ class Worker:
         while not self._stopping.is_set():
             await self._apply_backpressure()
             # One poll takes records from one partition's batch: at most a share, so that the
-            # next poll, with that partition paused, brings another's (`_over_share`).
+            # next poll, with that partition paused, brings another's (`_to_pause`).
             room = max(1, min(limits.max_in_flight - self.held(), self._share))
             try:
                 batches = await self._on_kafka(poll, self._consumer, 200, room)
@@ -189,7 +192,8 @@ class Worker:
         tp = TopicPartition(record.topic, record.partition)
         key = (tp, record.offset)
         self.tracker.track(tp, record.offset)
-        self._started[tp] = record.offset
+        if record.topic != self._cfg.kafka.backfill_topic:
+            self._last_live = time.monotonic()
         task = asyncio.create_task(self._handle(tp, record))
         self._live[key] = task
         task.add_done_callback(lambda t: self._forget_task(key, t))
@@ -320,25 +324,20 @@ class Worker:
 
     async def _apply_backpressure(self) -> None:
         """Pause all partitions while full, resume at half: polling goes on, keeping membership.
-        Below that, a partition at its fair share is paused while another has records waiting
-        (`_over_share`)."""
+        Below that, lanes and fair shares decide (`_to_pause`)."""
         limit = self._cfg.limits.max_in_flight
         held = self.held()
         if not self._paused and held >= limit:
             self._paused = True
         elif self._paused and held <= limit // 2:
             self._paused = False
-        live = Counter(tp for tp, _ in self._live)
-        started = dict(self._started)
-        await self._on_kafka(self._pause_only, live, started)
+        await self._on_kafka(self._pause_only, Counter(tp for tp, _ in self._live))
         self._metrics.paused.set(1 if self._paused else 0)
 
-    def _pause_only(
-        self, live: Counter[TopicPartition], started: dict[TopicPartition, int]
-    ) -> None:
+    def _pause_only(self, live: Counter[TopicPartition]) -> None:
         """On the Kafka thread: pause exactly the partitions that should not be fetched now."""
         owned = self._consumer.assignment()
-        want = set(owned) if self._paused else self._over_share(owned, live, started)
+        want = set(owned) if self._paused else self._to_pause(owned, live)
         want.update(tp for tp in self._unchecked if tp in owned)  # until suspects are read
         now = self._consumer.paused()
         if want - now:
@@ -346,31 +345,56 @@ class Worker:
         if (now - want) & owned:
             self._consumer.resume(*((now - want) & owned))
 
-    def _over_share(
-        self, owned: set[Any], live: Counter[TopicPartition], started: dict[TopicPartition, int]
-    ) -> set[Any]:
-        """Partitions holding their share of `max_in_flight` or more while another partition
-        has records waiting and less than its share: pausing them lets the next polls bring
-        the others' records. kafka-python's poll drains one partition's fetched batch before the
-        next one's, so without this a full worker serves partitions one after another. Shares
-        go only to partitions that may have records waiting (high-water mark past what was
-        started, or not known yet), so one busy partition still gets the whole worker."""
+    def _to_pause(self, owned: set[Any], live: Counter[TopicPartition]) -> set[Any]:
+        """Lanes first, then fair shares.
+
+        Lanes: the backfill topic's partitions are paused while a live partition may have
+        records waiting, and while backfill jobs hold their share of `max_in_flight`
+        (`limits.backfill_share`; the rest stays free for live jobs), or, while live traffic is
+        recent (`limits.live_idle_s`), `limits.backfill_beside_live` jobs: every request inside
+        the engine slows each step of a live one, and the engine gate only keeps new backfill
+        jobs out while a live one runs (`gate.EngineGate.foreground`).
+
+        Fair shares: kafka-python's poll drains one partition's fetched batch before the next
+        one's, so a full worker would serve partitions one after another. While several
+        partitions may have records waiting (`kafka_io.may_have_records`), each gets an equal
+        share of `max_in_flight`: a poll takes at most one share (`_share`), and a partition
+        holding its share is paused while another one waiting holds less. One busy partition
+        alone still gets the whole worker."""
+        limits, backfill_topic = self._cfg.limits, self._cfg.kafka.backfill_topic
+
+        def held(tp: Any) -> int:
+            return live[TopicPartition(tp.topic, tp.partition)]
+
         waiting = []
+        unparsed = unparsed_highwater(self._consumer)
         for tp in owned:
-            ours = TopicPartition(tp.topic, tp.partition)
             try:
-                high = self._consumer.highwater(tp)
+                if may_have_records(self._consumer, tp, unparsed):
+                    waiting.append(tp)
             except IllegalStateError:  # revoked meanwhile
                 continue
-            # Unknown until the fetcher parses the partition's fetch, which it does only after
-            # draining the batches ahead of it: possibly waiting, then.
-            if high is None or high > started.get(ours, -1) + 1:
-                waiting.append((tp, ours))
-        share = self._cfg.limits.max_in_flight // max(1, len(waiting))
-        self._share = max(1, share)
-        if len(waiting) < 2 or all(live[ours] >= share for _, ours in waiting):
-            return set()
-        return {tp for tp, ours in waiting if live[ours] >= share}
+        pause: set[Any] = set()
+        room = limits.max_in_flight
+        if backfill_topic is not None:
+            backfill = {tp for tp in owned if tp.topic == backfill_topic}
+            live_jobs = sum(n for tp, n in live.items() if tp.topic != backfill_topic)
+            live_waiting = any(tp.topic != backfill_topic for tp in waiting)
+            recent = live_jobs or time.monotonic() - self._last_live < limits.live_idle_s
+            cap = min(
+                self._backfill_cap, limits.backfill_beside_live if recent else limits.max_in_flight
+            )
+            backfill_room = cap - sum(held(tp) for tp in backfill)
+            if live_waiting or backfill_room <= 0:
+                pause |= backfill
+            else:
+                room = backfill_room
+        candidates = [tp for tp in waiting if tp not in pause]
+        share = limits.max_in_flight // max(1, len(candidates))
+        self._share = max(1, min(share, room))
+        if len(candidates) >= 2 and not all(held(tp) >= share for tp in candidates):
+            pause |= {tp for tp in candidates if held(tp) >= share}
+        return pause
 
     async def _commit(self) -> None:
         if self._fatal is not None:

@@ -77,10 +77,14 @@ class Engine:
         encoder_store: Path | None = None,
         core: shared_core.CoreLink | None = None,
         progress_bars: bool = True,
+        lanes: bool = False,
     ) -> None:
         """`core`: attach to a shared engine core (`engine.shared_core`) instead of starting one.
-        `progress_bars`: vLLM's weight-loading bar (off for JSON logs)."""
+        `progress_bars`: vLLM's weight-loading bar (off for JSON logs). `lanes`: live and
+        backfill jobs share the engine (`kafka.backfill_topic`): vLLM schedules by priority,
+        so a live request waiting for a place in the batch goes before backfill ones."""
         self._cfg = cfg
+        self._lanes = lanes
         self._progress_bars = progress_bars
         self._core = core
         self.model_path = model_path
@@ -157,6 +161,9 @@ class Engine:
             # periodic log line stays off below log_level DEBUG.
             "disable_log_stats": not cfg.stats,
         }
+        policy = cfg.scheduling_policy or ("priority" if self._lanes else None)
+        if policy is not None:
+            kwargs["scheduling_policy"] = policy
         if cfg.enable_chunked_prefill is not None:
             kwargs["enable_chunked_prefill"] = cfg.enable_chunked_prefill
         if cfg.renderer_threads is not None and cfg.renderer_threads > 1:
@@ -226,9 +233,11 @@ class Engine:
         items: list[EngineItem],
         params: GenerationParams,
         guide: Guide | None = None,
+        background: bool = False,
     ) -> EngineOutput:
         """`guide`: a constraint already checked (`guidance.GrammarChecker`); None leaves the
-        request exactly as an unguided one."""
+        request exactly as an unguided one. `background`: a backfill job, scheduled after live
+        ones under the priority policy (lower value first in vLLM)."""
         from vllm import SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -252,7 +261,9 @@ class Engine:
         final = None
         try:
             engine_input = await self._render(prompt)
-            async for out in self._llm.generate(engine_input, sampling, request_id=request_id):
+            async for out in self._llm.generate(
+                engine_input, sampling, request_id=request_id, priority=1 if background else 0
+            ):
                 final = out
                 self._last_progress = time.monotonic()
         except EngineDeadError as exc:

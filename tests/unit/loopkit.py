@@ -147,6 +147,20 @@ class Consumer:
     def highwater(self, tp: Any) -> int:
         return len(self.logs[TopicPartition(tp.topic, tp.partition)])
 
+    @property
+    def _subscription(self) -> Any:
+        """What `kafka_io.may_have_records` reads the fetch position from (kafka-python's
+        SubscriptionState: `position(tp)` has the offset)."""
+        consumer = self
+
+        class Subscription:
+            def position(self, tp: Any) -> Any:
+                return SimpleNamespace(
+                    offset=consumer.positions[TopicPartition(tp.topic, tp.partition)]
+                )
+
+        return Subscription()
+
     def pause(self, *tps: Any) -> None:
         self._paused |= {TopicPartition(tp.topic, tp.partition) for tp in tps}
 

@@ -296,7 +296,13 @@ class _TextOnlyEngine:
         return self.TEMPLATE + len(instruction.split()) + 3 * len(kinds)
 
     async def generate(
-        self, request_id: str, instruction: str, items: list[Any], params: Any, guide: Any = None
+        self,
+        request_id: str,
+        instruction: str,
+        items: list[Any],
+        params: Any,
+        guide: Any = None,
+        background: bool = False,
     ) -> EngineOutput:
         self.seen.append(items)
         kinds = tuple(item.kind for item in items)

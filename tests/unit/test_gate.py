@@ -71,3 +71,81 @@ def test_a_suspect_that_gives_up_waiting_lets_the_others_in() -> None:
         return entered
 
     assert asyncio.run(scenario()) is True
+
+
+def test_backfill_jobs_wait_while_a_live_job_is_worked_on_and_those_inside_finish() -> None:
+    async def scenario() -> list[str]:
+        gate = EngineGate()
+        events: list[str] = []
+        live_done = asyncio.Event()
+
+        async def backfill(name: str) -> None:
+            async with gate.shared(background=True):
+                events.append(f"+{name}")
+                await asyncio.sleep(0.02)
+                events.append(f"-{name}")
+
+        async def live() -> None:
+            async with gate.foreground():
+                await asyncio.sleep(0.01)  # fetch and decode: the gate is held already
+                async with gate.shared():
+                    events.append("+live")
+                    await live_done.wait()
+                    events.append("-live")
+
+        inside = asyncio.create_task(backfill("inside"))
+        await asyncio.sleep(0)
+        lv = asyncio.create_task(live())
+        await asyncio.sleep(0)
+        later = asyncio.create_task(backfill("later"))
+        await asyncio.sleep(0.05)
+        # The one inside went on and finished; the later one waits for the live job.
+        assert events == ["+inside", "+live", "-inside"], events
+        live_done.set()
+        await asyncio.gather(inside, lv, later)
+        return events
+
+    assert asyncio.run(scenario())[-3:] == ["-live", "+later", "-later"]
+
+
+def test_a_live_job_after_a_quiet_spell_preempts_the_backfill_beyond_keep() -> None:
+    """vLLM preempts only for KV-cache room: the gate aborts backfill engine calls beyond `keep`
+    when a live job arrives (they go round again), and while live traffic is recent admits at
+    most `keep` backfill jobs."""
+
+    async def scenario() -> None:
+        gate = EngineGate(keep=1, idle_s=0.2)
+        started: list[str] = []
+        preempted: list[str] = []
+
+        async def backfill(name: str) -> None:
+            while True:
+                async with gate.shared(background=True):
+                    started.append(name)
+                    call = asyncio.ensure_future(asyncio.sleep(10))
+                    gate.track(call)
+                    try:
+                        await call
+                        return
+                    except asyncio.CancelledError:
+                        if not gate.untrack(call):
+                            raise
+                        preempted.append(name)
+                    finally:
+                        gate.untrack(call)
+
+        tasks = [asyncio.create_task(backfill(f"b{i}")) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert started == ["b0", "b1", "b2"]  # no live traffic: all inside
+        async with gate.foreground():
+            await asyncio.sleep(0.01)
+            assert sorted(preempted) == ["b1", "b2"]  # beyond keep=1: aborted, waiting again
+        await asyncio.sleep(0.05)
+        assert len(started) == 3  # traffic still recent: b0 inside is all `keep` allows
+        await asyncio.sleep(0.3)  # no longer recent: the rest come in
+        assert len(started) == 5, started
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())

@@ -366,7 +366,13 @@ class _GuidedEngine:
         return 30
 
     async def generate(
-        self, request_id: str, instruction: str, items: list[Any], params: Any, guide: Any = None
+        self,
+        request_id: str,
+        instruction: str,
+        items: list[Any],
+        params: Any,
+        guide: Any = None,
+        background: bool = False,
     ) -> EngineOutput:
         self.asked.append((instruction, guide))
         return EngineOutput(self._text, self._finish, 100, params.max_tokens, 0.01)
