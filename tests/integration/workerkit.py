@@ -132,6 +132,8 @@ class Collector:
 
     def __init__(self, bootstrap: str, topics: list[str]) -> None:
         self.by_job: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+        #: Each job's first answer's broker timestamp (ms since the epoch; the worker's clock).
+        self.first_ts_ms: dict[str, int] = {}
         self._consumer = KafkaConsumer(
             bootstrap_servers=[bootstrap], group_id=None, enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -145,7 +147,9 @@ class Collector:
         for records in self._consumer.poll(timeout_ms=timeout_ms).values():
             for r in records:
                 doc = json.loads(r.value)
-                self.by_job[str(doc.get("job_id") or r.key.decode())].append((r.topic, doc))
+                job_id = str(doc.get("job_id") or r.key.decode())
+                self.by_job[job_id].append((r.topic, doc))
+                self.first_ts_ms.setdefault(job_id, r.timestamp)
 
     def wait_for(
         self, job_ids: set[str], timeout: float, worker: WorkerProcess | None = None
