@@ -21,6 +21,7 @@ plugin and only names the model class; `mm_data` runs on the worker's hot path.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,15 @@ class RawPixels:
 
 PATCH = 14
 TEMPORAL_PATCH = 2
+
+# `raw_pixels` wraps the prepared frames, which are read-only (a cache hit maps them), without a
+# copy: avoiding that copy is the point. The rows are only read (serialised to the engine core),
+# so torch's warning about tensors over non-writable arrays says nothing here; the filter is
+# scoped to this module's calls.
+warnings.filterwarnings(
+    "ignore", message="The given NumPy array is not writable", category=UserWarning,
+    module=r"mmworker\.engine\.pixels",
+)  # fmt: skip
 
 
 def raw_pixels(prepared: PreparedImage | PreparedVideo) -> RawPixels:

@@ -12,6 +12,8 @@ own image and video processors (what vLLM 0.25 runs in its front end).
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -181,6 +183,33 @@ def test_raw_pixels_are_a_view_of_the_prepared_frames() -> None:
     image = pixels.raw_pixels(IMAGE)
     assert image.grid_thw == (1, 4, 6) and image.rows.shape == (24, 14 * 14 * 3)
     assert image.second_per_grid is None
+
+
+_READ_ONLY = """
+import warnings
+import numpy as np
+from mmworker.engine import pixels
+from mmworker.preprocess.params import PreparedImage
+frames = np.zeros((28, 28, 3), np.uint8)
+frames.setflags(write=False)
+if CONTROL:  # torch warns once per process: drop the module's filter before the first call
+    warnings.resetwarnings()
+    warnings.simplefilter("always")
+raw = pixels.raw_pixels(PreparedImage(frames, (28, 28)))
+assert np.shares_memory(raw.rows.numpy(), frames)
+"""
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_read_only_frames_are_wrapped_without_a_copy_or_a_warning(control: bool) -> None:
+    """A cache hit's frames are read-only; the demo printed torch's non-writable warning for
+    them. In a process of its own: pytest resets the filters a module installs at import. The
+    control drops the module's filter and sees the warning, so the check can fail."""
+    code = f"CONTROL = {control}\n{_READ_ONLY}"
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                         text=True, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert ("NumPy array is not writable" in run.stderr) == control, run.stderr
 
 
 def test_only_qwen2_5_vl_checkpoints_get_the_pixel_class() -> None:
