@@ -25,8 +25,9 @@ pytestmark = pytest.mark.integration
 BACKFILL_JOBS = 1200
 LIVE_JOBS = 20
 #: The most any live job may take inside the worker beside the backfill. Queued behind the
-#: backfill jobs the worker holds (0.75 of max_in_flight = 192, at ~30-40 jobs/s here) it would
-#: take 5-6 s; the slowest measured with lanes was 2.7 s (tail: see below).
+#: backfill jobs the worker holds (0.75 of max_in_flight = 192) it would take about 5-6 s at the
+#: ~30-40 jobs/s measured here (an estimate, not measured without lanes); the slowest measured
+#: with lanes was 2.7 s (tail: see below).
 LIVE_BOUND_S = 4.0
 GEN = GenerationParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
 
