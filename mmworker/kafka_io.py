@@ -354,11 +354,16 @@ def close_consumer(consumer: KafkaConsumer, timeout_ms: int) -> None:
     tests/integration/test_group_leave.py checks the way out). Skipping the LeaveGroup then costs
     at most one session timeout on Apache Kafka, where the coordinator drops the silent member.
     Reads kafka-python's coordinator state, private API of the pinned release, hence here."""
-    coordinator = consumer._coordinator
-    if coordinator.rejoin_needed:
+    if rebalance_pending(consumer):
         log.info("a rebalance is pending: closing without LeaveGroup (the session times out)")
-        coordinator.reset_generation()
+        consumer._coordinator.reset_generation()
     consumer.close(False, timeout_ms)
+
+
+def rebalance_pending(consumer: KafkaConsumer) -> bool:
+    """The coordinator has started a rebalance this member has not rejoined yet (a commit now
+    gets RebalanceInProgress). kafka-python's coordinator state, private API, hence here."""
+    return bool(consumer._coordinator.rejoin_needed)
 
 
 class RebalanceListener(AsyncConsumerRebalanceListener):  # type: ignore[misc]

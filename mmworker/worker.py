@@ -48,6 +48,7 @@ from mmworker.kafka_io import (
     make_producer,
     may_have_records,
     poll,
+    rebalance_pending,
     send,
     unparsed_highwater,
 )
@@ -70,6 +71,9 @@ TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError
 #: Deadlines of the blocking client calls made while stopping or giving partitions up.
 REVOKE_COMMIT_TIMEOUT_MS = 10_000
 CLOSE_TIMEOUT_S = 10.0
+#: A stop that falls into a rebalance waits this long for the group to settle, so that its
+#: answered jobs can be committed (two cooperative rounds took 5-6 s on the test broker).
+REJOIN_TIMEOUT_S = 15.0
 
 _Key = tuple[TopicPartition, int]
 
@@ -396,21 +400,44 @@ class Worker:
             pause |= {tp for tp in candidates if held(tp) >= share}
         return pause
 
-    async def _commit(self) -> None:
+    async def _commit(self) -> bool:
+        """False when there was something to commit and the broker refused it."""
         if self._fatal is not None:
-            return
+            return True
         offsets = self.tracker.to_commit()
         if not offsets:
-            return
+            return True
         try:
             await self._on_kafka(self._consumer.commit, commit_payload(offsets))
         except KafkaError as exc:  # RebalanceInProgress, CommitFailed: the next round retries
             self._metrics.commit_errors.inc()
             log.info("commit deferred: %s", exc)
-            return
+            return False
         self.tracker.committed(offsets)
         self._metrics.commits.inc()
         self._metrics.last_commit.set_to_current_time()
+        return True
+
+    async def _last_commit(self) -> None:
+        """The stop's commit, with one more round if a rebalance refused it.
+
+        A worker asked to stop while the group rebalances (another member just joined or left)
+        gets RebalanceInProgress; there is no next round, so its answered jobs would be redone
+        by the next owner. Polling with every partition paused takes part in the rebalance
+        (the revoke callback commits what it gives up; new partitions arrive paused) without
+        taking records, and the commit is tried again once the group is settled."""
+        if await self._commit():
+            return
+        consumer = self._consumer
+        deadline = time.monotonic() + REJOIN_TIMEOUT_S
+        while time.monotonic() < deadline and self.tracker.to_commit():
+            await self._on_kafka(lambda: consumer.pause(*consumer.assignment()))
+            await self._on_kafka(poll, consumer, 200, 1)
+            settled = not await self._on_kafka(rebalance_pending, consumer)
+            if settled and await self._commit():
+                return
+        if self.tracker.to_commit():  # empty: revoked (and committed there) or lost meanwhile
+            log.warning("stop: the final commit did not land; answered jobs will be redone")
 
     # Rebalance callbacks: they run on the Kafka thread, inside poll().
 
@@ -485,7 +512,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._consumer is not None:
-            await self._commit()
+            await self._bounded(self._last_commit(), REJOIN_TIMEOUT_S + CLOSE_TIMEOUT_S)
             await self._bounded(
                 self._on_kafka(close_consumer, self._consumer, CLOSE_TIMEOUT_S * 1000)
             )
@@ -512,10 +539,10 @@ class Worker:
         except KafkaError as exc:
             log.error("could not record suspects (%s): they will run in batches again", exc)
 
-    async def _bounded(self, call: Awaitable[object]) -> None:
+    async def _bounded(self, call: Awaitable[object], limit_s: float = CLOSE_TIMEOUT_S + 1) -> None:
         """A client call while stopping: it must not hold the exit forever, nor fail it."""
         try:
-            await asyncio.wait_for(call, CLOSE_TIMEOUT_S + 1)
+            await asyncio.wait_for(call, limit_s)
         except (TimeoutError, KafkaError, OSError) as exc:
             log.warning("while stopping: %s", exc or type(exc).__name__)
 
