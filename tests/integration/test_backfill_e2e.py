@@ -1,7 +1,8 @@
 """`mmworker backfill` on the real broker and a real `mmworker run` worker (tiny model).
 
-One worker serves the module. The big case kills the backfill process with SIGKILL twice (mid
-stream, then again while it is resuming) and checks that the third run ends with exactly one
+One worker serves the module. The big case (a JSONL manifest into Parquet output, and a Parquet
+manifest into JSONL output) kills the backfill process with SIGKILL twice (mid stream, then
+again while it is resuming) and checks that the third run ends with exactly one
 output row per manifest row, each with the outcome a direct run gives, and that no job was
 answered more often than the restarts allow. `mmworker replay` is tested here too, on the same
 worker (an engine start costs half a minute on this CPU).
@@ -155,13 +156,26 @@ def _check_output(rows: list[dict[str, Any]], expected: dict[str, tuple[str, str
             assert r["code"] == what and r["message"], r
 
 
-def test_backfill_survives_two_sigkills(lab: Lab, worker: WorkerProcess) -> None:
+@pytest.mark.parametrize(
+    ("name", "manifest_suffix", "out_suffix"),
+    [("big", ".jsonl", ".parquet"), ("bigpq", ".parquet", ".jsonl")],
+)
+def test_backfill_survives_two_sigkills(
+    lab: Lab, worker: WorkerProcess, name: str, manifest_suffix: str, out_suffix: str
+) -> None:
+    """Both manifest formats, each writing the other output format."""
     captions = lab.direct_captions(worker)
     rows, expected = _manifest(lab, ROWS)
-    manifest = lab.workdir / "big.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = lab.workdir / "big.parquet"
-    log = lab.workdir / "big.log"
+    manifest = lab.workdir / (name + manifest_suffix)
+    if manifest_suffix == ".parquet":  # a column per field: options as JSON text, or null
+        for r in rows:
+            r["options"] = json.dumps(r["options"]) if "options" in r else None
+            r.setdefault("uri", None)
+        pq.write_table(pa.Table.from_pylist(rows), manifest)
+    else:
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = lab.workdir / (name + out_suffix)
+    log = lab.workdir / f"{name}.log"
     cmd = lab.command(manifest, out, "--key-column", "key", "--options-column", "options",
                       "--metadata-columns", "album", "--window", str(WINDOW),
                       "--grace", "1")  # fmt: skip
@@ -192,23 +206,27 @@ def test_backfill_survives_two_sigkills(lab: Lab, worker: WorkerProcess) -> None
     assert third.wait(300) == 1, log.read_text()[-3000:]  # some rows failed, as they must
     elapsed = time.monotonic() - started
     text = log.read_text()
-    summary = text[text.rindex("backfill big:") :]
+    summary = text[text.rindex(f"backfill {name}:") :]
     print(f"{ROWS} rows in {elapsed:.1f}s over three runs\n{summary}")
 
-    _check_output(pq.read_table(out).to_pylist(), expected, captions, "big")
+    if out_suffix == ".parquet":
+        got = pq.read_table(out).to_pylist()
+    else:
+        got = [json.loads(x) for x in out.read_text().splitlines()]
+    _check_output(got, expected, captions, name)
     assert not journal_path(out).exists()
     failed = {k for k, (outcome, _) in expected.items() if outcome == "failed"}
-    retry = [json.loads(x) for x in out.with_name("big.retry.jsonl").read_text().splitlines()]
+    retry = [json.loads(x) for x in out.with_name(f"{name}.retry.jsonl").read_text().splitlines()]
     assert [r["key"] for r in retry] == sorted(failed)  # in manifest order, original columns
     assert retry[0] == rows[7]
 
     # Duplicates: the re-posted jobs were answered twice (and dropped from the output), each job
     # at most once per run that posted it, and in all no more than a window per restart.
-    posted_keys = {f"big/{k}" for k, (_, code) in expected.items() if code != "invalid_schema"}
+    posted_keys = {f"{name}/{k}" for k, (_, code) in expected.items() if code != "invalid_schema"}
     collector = Collector(lab.bootstrap, [lab.topics["output"], lab.topics["dlq"]])
     collector.wait_for(posted_keys, 60)
     collector.pump(1000)  # and any copy behind the last one
-    copies = Counter({j: len(r) for j, r in collector.by_job.items() if j.startswith("big/")})
+    copies = Counter({j: len(r) for j, r in collector.by_job.items() if j.startswith(f"{name}/")})
     collector.close()
     assert set(copies) == posted_keys
     assert max(copies.values()) <= 3, copies.most_common(3)
