@@ -311,11 +311,16 @@ def unparsed_highwater(consumer: Any) -> dict[Any, int]:
 
     kafka-python updates `highwater()` only when poll reaches a partition's response, after the
     batches queued ahead of it; a live record's response behind a backfill batch would then go
-    unseen until that batch is drained. Reads the fetcher's queue: private API of the pinned
-    release, hence here."""
+    unseen until that batch is drained. The responses of paused partitions count too: the
+    fetcher sets them aside (`_paused_completed_fetches`) until the partition resumes, and a
+    worker that pauses every partition while full would otherwise see, once it has room, only
+    the partition it was draining as having records, and serve partitions one after another
+    (tests/integration/test_backfill_e2e.py, fairness). Reads the fetcher's queues: private
+    API of the pinned release, hence here."""
     fetcher = getattr(consumer, "_fetcher", None)
     marks: dict[Any, int] = {}
-    for completed in list(getattr(fetcher, "_completed_fetches", ())):
+    parked = getattr(fetcher, "_paused_completed_fetches", None) or {}
+    for completed in [*getattr(fetcher, "_completed_fetches", ()), *list(parked.values())]:
         high = getattr(completed.partition_data, "high_watermark", -1)
         if high is not None and high >= 0:
             tp = completed.topic_partition

@@ -364,7 +364,7 @@ class Worker:
         partitions may have records waiting (`kafka_io.may_have_records`), each gets an equal
         share of `max_in_flight`: a poll takes at most one share (`_share`), and a partition
         holding its share is paused while another one waiting holds less. One busy partition
-        alone still gets the whole worker."""
+        alone still gets the whole worker, a poll at a time."""
         limits, backfill_topic = self._cfg.limits, self._cfg.kafka.backfill_topic
 
         def held(tp: Any) -> int:
@@ -395,7 +395,11 @@ class Worker:
                 room = backfill_room
         candidates = [tp for tp in waiting if tp not in pause]
         share = limits.max_in_flight // max(1, len(candidates))
-        self._share = max(1, min(share, room))
+        # A poll takes no more than one fetchable partition's part even while only one is known
+        # to have records: the others' responses may be a fetch behind (a worker waking up to
+        # full partitions), and the loop polls again at once if they are not.
+        fetchable = sum(1 for tp in owned if tp not in pause)
+        self._share = max(1, min(share, limits.max_in_flight // max(1, fetchable), room))
         if len(candidates) >= 2 and not all(held(tp) >= share for tp in candidates):
             pause |= {tp for tp in candidates if held(tp) >= share}
         return pause
