@@ -41,12 +41,7 @@ def test_giving_partitions_to_a_new_member_commits_them_and_keeps_running(
     # Room for every job: all are answered before the newcomer joins, none committed yet.
     cfg = _config(broker.bootstrap, uuid.uuid4().hex[:6])
     ensure_worker_topics(cfg.kafka, 4)
-    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
-    for i in range(2000):
-        value = json.dumps({"job_id": f"j{i}", "media": [{"uri": "https://example.test/a"}]})
-        producer.send(cfg.kafka.input_topic, value.encode(), partition=i % 4)
-    producer.flush()
-    producer.close()
+    _post_jobs(broker.bootstrap, cfg, 2000, 4)
 
     async def behave(_s: SourceCoords) -> None:
         await asyncio.sleep(0.01)
@@ -91,12 +86,7 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
     caplog.set_level(logging.INFO, logger="mmworker.worker")
     cfg = _config(broker.bootstrap, uuid.uuid4().hex[:6])
     ensure_worker_topics(cfg.kafka, 2)
-    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
-    for i in range(40):
-        value = json.dumps({"job_id": f"j{i}", "media": [{"uri": "https://example.test/a"}]})
-        producer.send(cfg.kafka.input_topic, value.encode(), partition=i % 2)
-    producer.flush()
-    producer.close()
+    _post_jobs(broker.bootstrap, cfg, 40, 2)
 
     hold, caught, leave = threading.Event(), threading.Event(), threading.Event()
     real_poll = worker_module.poll
@@ -146,6 +136,16 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
     assert committed == {0: 20, 1: 20}, committed
 
 
+def _post_jobs(bootstrap: str, cfg: Any, n: int, partitions: int) -> None:
+    """n jobs spread round-robin over the input topic's partitions."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for i in range(n):
+        value = json.dumps({"job_id": f"j{i}", "media": [{"uri": "https://example.test/a"}]})
+        producer.send(cfg.kafka.input_topic, value.encode(), partition=i % partitions)
+    producer.flush()
+    producer.close()
+
+
 def _config(bootstrap: str, tag: str) -> Any:
     return load_config(
         kafka={"bootstrap_servers": bootstrap, "group_id": f"rb-{tag}",
@@ -187,12 +187,7 @@ def test_a_revoke_commit_the_broker_never_answers_gives_up_at_its_deadline_commi
         assert broker.pid is not None
         cfg = _config(broker.bootstrap, tag)
         ensure_worker_topics(cfg.kafka, 2)
-        producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
-        for i in range(40):
-            value = json.dumps({"job_id": f"j{i}", "media": [{"uri": "https://example.test/a"}]})
-            producer.send(cfg.kafka.input_topic, value.encode(), partition=i % 2)
-        producer.flush()
-        producer.close()
+        _post_jobs(broker.bootstrap, cfg, 40, 2)
 
         async def behave(_s: SourceCoords) -> None:
             await asyncio.sleep(0.01)
