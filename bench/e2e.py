@@ -126,6 +126,13 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
         default=d.profile,
         help="add a cold pass under `py-spy record` (raw stacks in bench/out/profile-*.txt)",
     )
+    p.add_argument(
+        "--profile-measured",
+        action="store_true",
+        default=d.profile_measured,
+        help="sample the measured passes with `py-spy record --nonblocking` (never pauses the"
+        " worker, so the figures stay comparable; stacks in bench/out/profile-PASS-*.txt)",
+    )
     p.add_argument("--keep", action="store_true", default=d.keep, help="keep the work directory")
     p.add_argument(
         "--work-dir",

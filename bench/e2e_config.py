@@ -43,6 +43,8 @@ class Options:
     #: One more cold pass (own empty cache) under py-spy; kept out of the table because the
     #: sampler itself costs CPU (it matters on a 2-core host).
     profile: bool = False
+    #: py-spy (non-blocking: the target is never paused) on the measured passes themselves.
+    profile_measured: bool = False
     keep: bool = False
     #: Reuse this directory (feature cache included) instead of a new temporary one, so a warm
     #: pass can run in a later invocation than its cold pass (the GPU host's 10-minute calls).

@@ -34,6 +34,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 model=/tmp/qwen2.5-vl-3b-dummy
 [[ -f $model/config.json ]] || python3 -m mmworker tiny-model "$model" --arch 3b
+# SETUP_ONLY=1: install and write the model config, run nothing (bench/gpu/session.sh probe).
+[[ ${SETUP_ONLY:-0} == 1 ]] && exit 0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 python3 bench/e2e.py --model "$model" --load-format dummy --max-tokens 64 --max-model-len 8192 \

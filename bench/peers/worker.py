@@ -76,13 +76,15 @@ class WorkerRun:
             )
         self._spy: subprocess.Popen[bytes] | None = None
 
-    def profile_start(self, raw_out: Path) -> None:
+    def profile_start(self, raw_out: Path, nonblocking: bool = False) -> None:
         """Attach py-spy to the worker and its children (engine core, preprocess pool).
 
         Attached after start-up, not wrapped around it, so imports and engine initialisation do
         not drown the steady state in the profile.
         """
         spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():  # a --user install puts it on PATH, beside no interpreter
+            spy = Path(shutil.which("py-spy") or spy)
         self._spy = subprocess.Popen(
             [
                 str(spy),
@@ -90,6 +92,7 @@ class WorkerRun:
                 "--pid",
                 str(self.proc.pid),
                 "--subprocesses",
+                *(["--nonblocking"] if nonblocking else []),
                 "--rate",
                 "50",
                 "--format",
@@ -183,6 +186,7 @@ def worker_pass(
     if profiling or name.startswith("cold"):  # cold means an empty feature cache
         shutil.rmtree(work / ("features-" + name if profiling else "features"), ignore_errors=True)
     worker = WorkerRun(args, work / f"worker-{name}.log", child_env(opts))
+    spy = profiling or opts.profile_measured
     out: dict[str, Any] = {"topics": topics, "log": str(worker.log_path)}
     try:
         ready = worker.wait_ready(opts.timeout_s)
@@ -190,8 +194,8 @@ def worker_pass(
         print(f"[{name}] worker ready after {out['startup_s']}s", flush=True)
         if img_jobs:
             ids = {k for k, _ in img_jobs}
-            if profiling:
-                worker.profile_start(profile_path(name, "image"))
+            if spy:
+                worker.profile_start(profile_path(name, "image"), opts.profile_measured)
             reader.wait_for(ids, opts.timeout_s, worker.alive)
             worker.profile_stop()
             after = scrape(port, opts.processes)
@@ -199,8 +203,8 @@ def worker_pass(
             print(f"[{name}] images: {out['image']['jobs_per_s']:.2f} jobs/s", flush=True)
         if vid_jobs:
             reader.pump(50)
-            if profiling:
-                worker.profile_start(profile_path(name, "video"))
+            if spy:
+                worker.profile_start(profile_path(name, "video"), opts.profile_measured)
             before, posted_at = scrape(port, opts.processes), time.time()
             post(bootstrap, topics["input"], vid_jobs)
             ids = {k for k, _ in vid_jobs}
@@ -219,7 +223,7 @@ def worker_pass(
                 out["shutdown_line"] = line.split(": ", 1)[-1]
             if m := re.search(r"max_num_batched_tokens=(\d+)", line):
                 out["scheduler"] = {"max_num_batched_tokens": int(m.group(1))}
-        if profiling:
+        if spy:
             out["profiles"] = {k: str(profile_path(name, k)) for k in ("image", "video")}
     return out
 

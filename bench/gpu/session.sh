@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One H200 device session, one stage per device call, every peer file named after the engine
+# settings it ran with:
+#
+#   bash bench/gpu/session.sh probe                                  # front-end CPU per request
+#   bash bench/gpu/session.sh peers NAME [--set K=V ...]            # raw ×1, raw ×2 engines, naive
+#   bash bench/gpu/session.sh worker NAME PEERS PASSES [--set K=V ...] [--processes N]
+#
+# A worker row must get exactly the --set flags its PEERS file ran with (bench/e2e.py's peers take
+# the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
+# them). Every stage keeps its output in $RES (default /tmp/s10; the warm machine keeps /tmp
+# between calls) and copies all of it, with the model config bench/mfu.py reads, to $OUT, so a
+# stage cut off by the call's time limit still returns what it finished. While a stage runs,
+# nvidia-smi samples the GPU's utilisation every 200 ms into $RES/smi-STAGE-NAME.csv. A stage
+# exits non-zero when its report is missing or not ok, so a call can fall back to other settings
+# (`... || ...`).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export STAGE=${STAGE:-/tmp/stage} VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+res=${RES:-/tmp/s10}
+mkdir -p "$res" "${OUT:-bench/out}"
+model=/tmp/qwen2.5-vl-3b-dummy
+smi=
+finish() {
+    [[ -n $smi ]] && kill "$smi" 2>/dev/null
+    cp -r "$res"/. "${OUT:-bench/out}"/ 2>/dev/null
+    cp "$model/config.json" "${OUT:-bench/out}/model-config.json" 2>/dev/null
+    cp bench/out/profile-*.txt /tmp/e2e/*.log "${OUT:-bench/out}"/ 2>/dev/null
+    true
+}
+trap finish EXIT
+R=(bash bench/gpu/run.sh --images 1000 --videos 100 --work-dir /tmp/e2e
+   --set limits.max_in_flight=1024)
+stage=${1:?stage}
+shift
+
+ok() {  # the report exists and bench/e2e.py called it ok
+    python3 -c "import json, sys; sys.exit(0 if json.load(open('$1')).get('ok') else 1)" \
+        2>/dev/null
+}
+
+sample_gpu() {  # $1: file
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=timestamp,utilization.gpu,utilization.memory,memory.used \
+            --format=csv,noheader -lms 200 >"$1" 2>/dev/null &
+        smi=$!
+    fi
+}
+
+case $stage in
+probe)
+    SETUP_ONLY=1 bash bench/gpu/run.sh  # the bundle, the model config; nothing measured
+    python3 bench/gpu/frontend_probe.py --model "$model" --out "$res/probe.json" "$@" 2>&1 |
+        grep -v " INFO \| WARNING " | tail -60
+    ;;
+peers)
+    name=${1:?name}
+    shift
+    sample_gpu "$res/smi-peers-$name.csv"
+    "${R[@]}" --raw-repeats 1 --naive-images 40 --naive-videos 4 --raw-engines 2 --passes "" \
+        "$@" --out "$res/peers-$name.json" 2>&1 | tail -40
+    ok "$res/peers-$name.json"
+    ;;
+worker)
+    name=${1:?name}
+    peers=${2:?peers}
+    passes=${3:?passes}
+    shift 3
+    sample_gpu "$res/smi-worker-$name.csv"
+    "${R[@]}" --skip-raw --skip-naive --peers-from "$res/peers-$peers.json" \
+        --passes "$passes" "$@" --out "$res/worker-$name.json" 2>&1 | tail -30
+    ok "$res/worker-$name.json"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
