@@ -12,6 +12,7 @@ from mmworker.schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image, sample_video
+from tests.conftest import GROUP_SETTINGS
 from tests.integration.workerkit import (
     Collector,
     Posted,
@@ -210,9 +211,14 @@ def test_interop_with_librdkafka_client(env: dict) -> None:  # type: ignore[type
     key, value = _job("rdkafka-1", MediaRef(data=sample_image(seed=5)))
     producer.produce(env["topics"]["input"], key=key.encode(), value=value)
     assert producer.flush(30) == 0
+    # The test broker holds a group join about half the session timeout: librdkafka's default
+    # 45 s session made this join alone take ~22 s. The test's usual 6 s session
+    # (tests/conftest.py GROUP_SETTINGS) keeps it near 3 s; the consumer still joins a group.
     consumer = confluent_kafka.Consumer({
         "bootstrap.servers": bootstrap, "group.id": f"rd-{uuid.uuid4().hex[:6]}",
         "auto.offset.reset": "earliest", "enable.auto.commit": False,
+        "session.timeout.ms": GROUP_SETTINGS["session_timeout_ms"],
+        "heartbeat.interval.ms": GROUP_SETTINGS["heartbeat_interval_ms"],
     })  # fmt: skip
     consumer.subscribe([env["topics"]["output"]])
     found = None
