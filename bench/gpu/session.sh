@@ -26,7 +26,7 @@ finish() {
     [[ -n $smi ]] && kill "$smi" 2>/dev/null
     cp -r "$res"/. "${OUT:-bench/out}"/ 2>/dev/null
     cp "$model/config.json" "${OUT:-bench/out}/model-config.json" 2>/dev/null
-    cp bench/out/profile-*.txt /tmp/e2e/*.log "${OUT:-bench/out}"/ 2>/dev/null
+    cp bench/out/profile-*.txt "${OUT:-bench/out}"/ 2>/dev/null
     true
 }
 trap finish EXIT
