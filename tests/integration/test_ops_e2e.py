@@ -1,7 +1,9 @@
 """What an operator sees of a real worker: probes, on-call metrics, JSON logs, a frozen engine.
 
 One real `mmworker run` (tiny model, real broker), with `logging.format = "json"` and a short
-`health.engine_stall_s`, serves every test here: a worker start is the expensive part on CI.
+`health.engine_stall_s`, serves every test here: the session's shared worker (conftest.py
+`service`, which test_structured_e2e and test_worker_e2e use too), since a worker start is the
+expensive part on CI.
 """
 
 from __future__ import annotations
@@ -21,16 +23,15 @@ import pytest
 from mmworker.schemas import GenerationParams, Job, MediaRef
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image
 from mmworker.logs import KNOWN_NOISE
+from tests.integration.conftest import SERVICE_STALL_S, Service
 from tests.integration.workerkit import (
     Collector,
     Posted,
     WorkerProcess,
     describe,
     is_engine_core,
-    make_topics,
     post,
     process_tree,
     wait_committed,
@@ -39,7 +40,7 @@ from tests.unit.test_deploy import referenced_metric_names
 
 pytestmark = pytest.mark.integration
 
-STALL_S = 4.0
+STALL_S = SERVICE_STALL_S
 
 
 def _job(job_id: str, ref: MediaRef, **kw: Any) -> tuple[str, bytes]:
@@ -78,21 +79,17 @@ def _wait(predicate: Any, timeout: float, what: str, worker: WorkerProcess) -> A
 
 
 @pytest.fixture(scope="module")
-def ops(
-    broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
-    workdir = tmp_path_factory.mktemp("ops")
-    topics = make_topics(broker.bootstrap, "ops")
-    group = f"ops-{uuid.uuid4().hex[:6]}"
-    port = free_port()
-    extra = {"metrics_port": port, "logging.format": "json", "health.engine_stall_s": STALL_S,
-             "kafka.commit_interval_s": 0.5, "cache.min_image_pixels": 0}  # fmt: skip
-    with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
-        collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
-        _wait(lambda: _get(port, "/readyz")[0] == 200, 300, "/readyz", worker)
-        yield {"broker": broker, "topics": topics, "group": group, "worker": worker,
-               "collector": collector, "port": port, "dir": workdir}  # fmt: skip
-        collector.close()
+def ops(service: Service) -> Iterator[dict[str, Any]]:
+    """The shared worker, ready (/readyz 200) before its fixture returns; this module's collector
+    reads from where the topics are when it begins."""
+    topics = service.topics
+    collector = Collector(
+        service.broker.bootstrap, [topics["output"], topics["dlq"]], from_now=True
+    )
+    yield {"broker": service.broker, "topics": topics, "group": service.group,
+           "worker": service.worker, "collector": collector, "port": service.port,
+           "dir": service.workdir}  # fmt: skip
+    collector.close()
 
 
 def test_probes_report_started_assigned_and_alive(ops: dict[str, Any]) -> None:

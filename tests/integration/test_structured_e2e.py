@@ -4,72 +4,30 @@ The tiny model's weights are random, so left alone it writes noise: every answer
 against its schema here does so only because the engine's guided decoding allowed nothing else.
 Three configured tasks cover a nested object, an array of enums and a regex; a job brings its own
 choice list; a job with a schema xgrammar cannot compile gets the typed failure instead of
-reaching the engine. The schemas bound every answer (enums, small integers, maxItems) to fewer
-characters than `max_tokens`, so guided decoding always closes them in time.
+reaching the engine. The tasks and their schemas are in structured_tasks.py: the worker is the
+session's shared one (the `service` fixture), started with them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from mmworker.schemas import ErrorCode, Job, MediaRef
 
-from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.samples import sample_image
 from mmworker.tools import summarise
-from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post
+from tests.integration.conftest import Service
+from tests.integration.structured_tasks import CODE, LABELS, MAX_TOKENS, SCENE
+from tests.integration.workerkit import Collector, Posted, post
 
 pytestmark = pytest.mark.integration
 
 START_S = 240  # engine start on 2 CPU cores, first jobs included
 
-SCENE = {  # nested objects; the longest answer is 88 characters
-    "type": "object",
-    "properties": {
-        "place": {"enum": ["indoors", "outdoors", "underwater", "space"]},
-        "light": {
-            "type": "object",
-            "properties": {
-                "level": {"type": "integer", "minimum": 0, "maximum": 9},
-                "natural": {"type": "boolean"},
-            },
-            "required": ["level", "natural"],
-            "additionalProperties": False,
-        },
-        "people": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["place", "light", "people"],
-    "additionalProperties": False,
-}
-LABELS = {  # an array of enums; the longest answer is 49 characters
-    "type": "object",
-    "properties": {
-        "labels": {
-            "type": "array",
-            "items": {"enum": ["cat", "dog", "car", "tree", "person", "sky"]},
-            "minItems": 1,
-            "maxItems": 4,
-        }
-    },
-    "required": ["labels"],
-    "additionalProperties": False,
-}
-CODE = r"[A-Z]{3}-[0-9]{2,4}"
-MAX_TOKENS = 96
-TASKS = {
-    "scene": {"prompt": "Describe the scene of this {media}.", "max_tokens": MAX_TOKENS,
-              "response_format": {"type": "json_schema", "schema": SCENE}},
-    "labels": {"prompt": "Label this {media}.", "max_tokens": MAX_TOKENS,
-               "response_format": {"type": "json_schema", "schema": LABELS}},
-    "code": {"prompt": "Read the product code in this {media}.", "max_tokens": MAX_TOKENS,
-             "response_format": {"type": "regex", "regex": CODE}},
-}  # fmt: skip
 SCHEMAS = {"scene": SCENE, "labels": LABELS}
 #: A reference to nothing: xgrammar cannot compile it.
 UNCOMPILABLE = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
@@ -102,21 +60,22 @@ def _jobs() -> list[tuple[str, bytes]]:
     return jobs
 
 
-def test_fifty_guided_jobs_over_three_tasks_all_validate(
-    broker: EmbeddedBroker, tmp_path: Path
-) -> None:
-    topics = make_topics(broker.bootstrap, "structured")
-    group = f"structured-{uuid.uuid4().hex[:6]}"
+def test_fifty_guided_jobs_over_three_tasks_all_validate(service: Service) -> None:
+    topics, worker = service.topics, service.worker
     jobs = _jobs()
-    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, {"tasks": TASKS}) as worker:
-        collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
-        try:
-            post(broker.bootstrap, topics["input"], jobs, Posted())
-            collector.wait_for({job_id for job_id, _ in jobs}, START_S, worker)
-            answers = {job_id: collector.one(job_id) for job_id, _ in jobs}
-        finally:
-            collector.close()
-        log = worker.log()
+    collector = Collector(
+        service.broker.bootstrap, [topics["output"], topics["dlq"]], from_now=True
+    )
+    try:
+        post(service.broker.bootstrap, topics["input"], jobs, Posted())
+        collector.wait_for({job_id for job_id, _ in jobs}, START_S, worker)
+        answers = {job_id: collector.one(job_id) for job_id, _ in jobs}
+    finally:
+        collector.close()
+    # The whole log: the configured tasks are compiled at start-up, long before these jobs. No
+    # other test on this worker sends a response format.
+    full_log = worker.log_path.read_text(errors="replace")
+    log = worker.log()
 
     for job_id, (topic, doc) in answers.items():
         task = job_id.split("-")[0]
@@ -145,7 +104,7 @@ def test_fifty_guided_jobs_over_three_tasks_all_validate(
     topic, unknown = answers["no-such-task"]
     assert topic == topics["dlq"] and unknown["code"] == ErrorCode.UNKNOWN_TASK, unknown
     # Each distinct format was compiled once by the worker, not once per job.
-    compiled = re.findall(r"response_format \((\w+), \d+ bytes\) (\w+) in", log)
+    compiled = re.findall(r"response_format \((\w+), \d+ bytes\) (\w+) in", full_log)
     assert sorted(compiled) == [
         ("choice", "compiled"), ("json", "compiled"), ("json", "compiled"), ("json", "refused"),
         ("regex", "compiled"),

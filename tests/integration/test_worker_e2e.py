@@ -10,21 +10,14 @@ from collections.abc import Iterator
 import pytest
 from mmworker.schemas import GenerationParams, Job, MediaRef
 
-from mmworker.devkit.broker import EmbeddedBroker, free_port
+from mmworker.devkit.broker import free_port
 from mmworker.devkit.samples import sample_image, sample_video
 from tests.conftest import GROUP_SETTINGS
-from tests.integration.workerkit import (
-    Collector,
-    Posted,
-    WorkerProcess,
-    make_topics,
-    post,
-    wait_committed,
-)
+from tests.integration.conftest import SERVICE_MAX_BYTES, Service
+from tests.integration.workerkit import Collector, Posted, post, wait_committed
 
 pytestmark = pytest.mark.integration
 
-MAX_BYTES = 2 * 1024 * 1024
 START_S = 240  # engine start on 2 CPU cores, first job included
 
 
@@ -34,23 +27,22 @@ def _job(job_id: str, ref: MediaRef, **kw: object) -> tuple[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def env(broker: EmbeddedBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:  # type: ignore[type-arg]
-    workdir = tmp_path_factory.mktemp("e2e")
-    topics = make_topics(broker.bootstrap, "e2e")
-    group = f"e2e-{uuid.uuid4().hex[:6]}"
+def env(service: Service) -> Iterator[dict]:  # type: ignore[type-arg]
+    """The session's shared worker (conftest.py `service`: its size limit, private networks
+    allowed, the reply topic), read from where its topics are when this module begins."""
+    workdir = service.workdir
     (workdir / "clip.mp4").write_bytes(sample_video(seconds=3))
-    (workdir / "huge.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
-    extra = {"preprocess.max_media_bytes": MAX_BYTES, "preprocess.allow_private_networks": True,
-             "metrics_port": free_port(), "kafka.reply_topics": [topics["replies"]]}  # fmt: skip
-    with WorkerProcess(broker.bootstrap, workdir, topics, group, extra) as worker:
-        collector = Collector(
-            broker.bootstrap, [topics["output"], topics["dlq"], topics["replies"]]
-        )
-        yield {
-            "broker": broker, "dir": workdir, "topics": topics, "group": group, "worker": worker,
-            "collector": collector, "metrics_port": extra["metrics_port"],
-        }  # fmt: skip
-        collector.close()
+    (workdir / "huge.bin").write_bytes(b"\0" * (SERVICE_MAX_BYTES + 1))
+    topics = service.topics
+    collector = Collector(
+        service.broker.bootstrap, [topics["output"], topics["dlq"], topics["replies"]],
+        from_now=True,
+    )  # fmt: skip
+    yield {
+        "broker": service.broker, "dir": workdir, "topics": topics, "group": service.group,
+        "worker": service.worker, "collector": collector, "metrics_port": service.port,
+    }  # fmt: skip
+    collector.close()
 
 
 def test_image_and_video_jobs_produce_results(env: dict) -> None:  # type: ignore[type-arg]

@@ -128,9 +128,12 @@ def post(bootstrap: str, topic: str, jobs: list[tuple[str, bytes]], posted: Post
 
 
 class Collector:
-    """Reads the output and dead-letter topics from the start, grouping records by job_id."""
+    """Reads the output and dead-letter topics from the start, grouping records by job_id.
 
-    def __init__(self, bootstrap: str, topics: list[str]) -> None:
+    `from_now`: from their current ends instead, so that a test on a worker other tests share
+    (the session's `service` worker) sees only the records that came after it began."""
+
+    def __init__(self, bootstrap: str, topics: list[str], from_now: bool = False) -> None:
         self.by_job: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
         #: Each job's first answer's broker timestamp (ms since the epoch; the worker's clock).
         self.first_ts_ms: dict[str, int] = {}
@@ -141,7 +144,12 @@ class Collector:
         parts = [TopicPartition(t, p) for t in topics
                  for p in (self._consumer.partitions_for_topic(t) or {0})]  # fmt: skip
         self._consumer.assign(parts)
-        self._consumer.seek_to_beginning(*parts)
+        if from_now:
+            self._consumer.seek_to_end(*parts)
+            for tp in parts:  # resolve the ends now, not at the first poll
+                self._consumer.position(tp)
+        else:
+            self._consumer.seek_to_beginning(*parts)
 
     def pump(self, timeout_ms: int = 500) -> None:
         for records in self._consumer.poll(timeout_ms=timeout_ms).values():
