@@ -225,15 +225,6 @@ class EngineConfig(_Section):
     max_visual_tokens_per_item: int = Field(
         16384, ge=1, description="Refuse items above this before they reach the engine"
     )
-    stream_interval: int = Field(
-        16,
-        ge=1,
-        description="vLLM hands a request's output to the worker every this many tokens (and "
-        "at the end) instead of after every token: the worker only publishes the final text, "
-        "and each interim output costs the front end's event loop (H200, 1,000 cold images, "
-        "two processes: 65.7 images/s at 1, 73.9 at 16). It is also how often /livez sees a "
-        "request progress",
-    )
     pixels_on_engine: bool = Field(
         True,
         description="Hand prepared media to the engine as uint8 pixels and normalise/patchify "

@@ -157,7 +157,6 @@ class Engine:
             "load_format": cfg.load_format,
             "seed": cfg.seed,
             "mm_processor_cache_gb": cfg.mm_processor_cache_gb,
-            "stream_interval": cfg.stream_interval,
             # On: the scheduler's reports feed the engine metrics (`stat_logger`); vLLM's own
             # periodic log line stays off below log_level DEBUG.
             "disable_log_stats": not cfg.stats,

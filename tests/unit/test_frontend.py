@@ -68,12 +68,3 @@ def test_renderer_threads_turn_vllms_processor_cache_off() -> None:
         "renderer_num_workers" not in Engine(EngineConfig(renderer_threads=1), "m").engine_kwargs()
     )
 
-
-def test_the_engine_streams_outputs_every_16_tokens_unless_told_otherwise() -> None:
-    """The worker publishes only final texts, so interim outputs are front-end cost: vLLM gets
-    `stream_interval` from the settings (16 by default, any value a user sets)."""
-    from mmworker.config import EngineConfig
-    from mmworker.engine import Engine
-
-    assert Engine(EngineConfig(), "m").engine_kwargs()["stream_interval"] == 16
-    assert Engine(EngineConfig(stream_interval=1), "m").engine_kwargs()["stream_interval"] == 1
