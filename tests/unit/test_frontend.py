@@ -67,4 +67,3 @@ def test_renderer_threads_turn_vllms_processor_cache_off() -> None:
     assert (
         "renderer_num_workers" not in Engine(EngineConfig(renderer_threads=1), "m").engine_kwargs()
     )
-
