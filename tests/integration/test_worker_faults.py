@@ -70,6 +70,10 @@ def test_a_job_that_kills_the_engine_is_dead_lettered_and_its_batch_mates_are_an
         "engine.enable_chunked_prefill": True,
         "engine.max_num_batched_tokens": 256,
         "limits.max_engine_deaths": 2,
+        # Batch mates: up to 31 jobs die with the killer, become suspects and run alone, one at a
+        # time. With the default 256 every job fetched could be inside (65 and 125 in two runs)
+        # and running them alone took 10-35 s of this test; 31 batch mates prove the same.
+        "limits.max_in_flight": 32,
     }
     gen = GenerationParams(max_tokens=8)
     jobs = [_job(f"ok-{i}", gen) for i in range(200)]
