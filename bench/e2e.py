@@ -80,6 +80,12 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
         help="run no raw peer (one engine, hot, ×N engines); --peers-from rows still show",
     )
     p.add_argument(
+        "--only-raw-engines",
+        action="store_true",
+        default=d.only_raw_engines,
+        help="of the peers, run only raw ×N engines (e.g. again under other process settings)",
+    )
+    p.add_argument(
         "--raw-repeats", type=int, default=d.raw_repeats, help="raw runs; the median is the bar"
     )
     p.add_argument(
@@ -223,7 +229,7 @@ def run(opts: Options) -> dict[str, Any]:
             served = json.loads(opts.serve_from.read_text())
             report["peers"]["serve"] = {k: served[k] for k in ("image", "video") if k in served}
             report["peers"]["serve"]["from"] = str(opts.serve_from)
-        elif not (opts.skip_raw and opts.skip_naive):
+        elif not (opts.skip_raw and opts.skip_naive) and not opts.only_raw_engines:
             try:
                 report["peers"] = one_engine.run_peers(
                     opts, bootstrap, work, base_args, model_path, images, videos

@@ -24,6 +24,7 @@ class Options:
     passes: tuple[str, ...] = ("cold", "warm")
     skip_naive: bool = False
     skip_raw: bool = False
+    only_raw_engines: bool = False
     raw_repeats: int = 3
     naive_images: int = 100
     naive_videos: int = 10

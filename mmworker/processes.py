@@ -158,7 +158,13 @@ def _run_shared(
     as its front ends (all at once: there is one KV cache to size, not N). The core is stopped
     after the children, so every drained job still had its engine."""
     from mmworker.app import encoder_store_dir, model_cache_dir
-    from mmworker.engine import Engine, engine_process_env, resolve_model, shared_core
+    from mmworker.engine import (
+        Engine,
+        core_threads_env,
+        engine_process_env,
+        resolve_model,
+        shared_core,
+    )
 
     engine_process_env()
     lifeline.arm()  # the engine core leaves our process group and dies with this process
@@ -173,6 +179,7 @@ def _run_shared(
     readies: list[Event] = []
 
     def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:
+        restore()  # the core has started; the clients keep their own OMP_NUM_THREADS
         for index, link in enumerate(links):
             ready = ctx.Event()
             child = ctx.Process(
@@ -186,15 +193,21 @@ def _run_shared(
         return children
 
     grace = cfg.limits.shutdown_grace_s + 60
-    with shared_core.launch(kwargs, cfg.processes, start_clients):
-        for index, (child, ready) in enumerate(zip(children, readies, strict=True)):
-            if not _wait_ready(child, ready) or stopping():
-                log.error("worker process %d did not start (exit %s)", index, child.exitcode)
-                _terminate(children, go, grace)
-                return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
-        log.info("%d worker processes ready on one engine core: consuming", len(children))
-        go.set()
-        return _supervise(children, stopping, lambda: _terminate(children, go, grace))
+    restore = core_threads_env(cfg.engine)
+    try:
+        with shared_core.launch(kwargs, cfg.processes, start_clients):
+            for index, (child, ready) in enumerate(zip(children, readies, strict=True)):
+                if not _wait_ready(child, ready) or stopping():
+                    log.error("worker process %d did not start (exit %s)", index, child.exitcode)
+                    _terminate(children, go, grace)
+                    return (
+                        combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
+                    )
+            log.info("%d worker processes ready on one engine core: consuming", len(children))
+            go.set()
+            return _supervise(children, stopping, lambda: _terminate(children, go, grace))
+    finally:
+        restore()
 
 
 def _wait_ready(child: BaseProcess, ready: Event) -> bool:

@@ -11,7 +11,12 @@ times that exact call on the same host, one factor at a time:
 - with and without busy processes beside it (the worker's preprocessing pool is 14 processes on
   a 16-core host), since a parallel copy whose threads are descheduled waits for the slowest.
 
-    python3 bench/gpu/reduce_probe.py --out /tmp/reduce.json     # ~1 min on the H200 host
+    python3 bench/gpu/reduce_probe.py --out /tmp/reduce.json     # ~10 s on the H200 host
+
+Session 13's answer (bench/results/reduce-probe-h200-s13.json): alone, the copy takes 0.01-0.05
+ms per image at 16, 4 or 1 threads, pinned or not, with or without 14 spinning processes. The
+slowness does not reproduce outside the running engine core; one torch thread there removed it
+all the same (bench/README.md, *H200 session 13*).
 """
 
 from __future__ import annotations
@@ -35,18 +40,39 @@ def _spin(stop: Any) -> None:
         x += 1
 
 
+def _reducer() -> Any:
+    """vLLM's own `_reduce_data` when vLLM is installed; else the lines it runs for equal-shaped
+    rows (vLLM 0.25.1 `MultiModalFlatField._reduce_data`), so the probe also runs on a bare
+    torch host before the offline bundle has arrived."""
+    import torch
+
+    try:
+        from vllm.multimodal.inputs import MultiModalFlatField
+    except ImportError:
+
+        def reduce(batch: list[Any], *, pin_memory: bool) -> Any:
+            out = torch.empty(
+                (sum(t.shape[0] for t in batch), *batch[0].shape[1:]),
+                dtype=batch[0].dtype,
+                pin_memory=pin_memory,
+            )
+            return torch.concat(batch, dim=0, out=out)
+
+        return reduce
+    return MultiModalFlatField(slices=[], dim=0)._reduce_data
+
+
 def time_reduce(images: int, pin: bool, repeats: int) -> dict[str, float]:
     import torch
-    from vllm.multimodal.inputs import MultiModalFlatField
 
-    field = MultiModalFlatField(slices=[], dim=0)
+    reduce = _reducer()
     batch = [torch.randint(0, 255, (ROWS, ROW_BYTES), dtype=torch.uint8) for _ in range(images)]
     for _ in range(2):
-        field._reduce_data(batch, pin_memory=pin)
+        reduce(batch, pin_memory=pin)
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        field._reduce_data(batch, pin_memory=pin)
+        reduce(batch, pin_memory=pin)
         runs.append(time.perf_counter() - t0)
     med = statistics.median(runs)
     return {"batch_ms": round(1e3 * med, 3), "ms_per_image": round(1e3 * med / images, 4)}

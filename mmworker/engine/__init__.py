@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -105,7 +106,6 @@ class Engine:
             self._cfg.frontend_keep_heap is None and not _cpu_only()
         ):
             frontend.keep_heap()
-        frontend.processor_threads(self._cfg.processor_threads)
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -121,11 +121,17 @@ class Engine:
             # max_num_batched_tokens sized for throughput, e.g. 1,024 / 16,384 on an H200), not
             # the smaller server defaults AsyncLLM picks for an interactive engine.
             args = AsyncEngineArgs(**self.engine_kwargs())
-            self._llm = AsyncLLM.from_engine_args(
-                args,
-                usage_context=UsageContext.LLM_CLASS,
-                stat_loggers=self._stat_loggers(),
-            )
+            restore = core_threads_env(self._cfg)
+            try:
+                self._llm = AsyncLLM.from_engine_args(
+                    args,
+                    usage_context=UsageContext.LLM_CLASS,
+                    stat_loggers=self._stat_loggers(),
+                )
+            finally:
+                restore()
+        # After the core has started: both settings travel in OMP_NUM_THREADS.
+        frontend.processor_threads(self._cfg.processor_threads)
         self._raw_pixels = pixels.ARCHITECTURE in (
             self._llm.model_config.hf_config.architectures or ()
         )
@@ -399,6 +405,12 @@ def engine_process_env() -> None:
     else:
         # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def core_threads_env(cfg: EngineConfig) -> Callable[[], None]:
+    """`engine.core_threads` for the engine core about to be started; call the result once it
+    has (see `frontend.core_threads`)."""
+    return frontend.core_threads(cfg.core_threads, _cpu_only())
 
 
 @lru_cache(maxsize=1)

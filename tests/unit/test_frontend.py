@@ -67,3 +67,23 @@ def test_renderer_threads_turn_vllms_processor_cache_off() -> None:
     assert (
         "renderer_num_workers" not in Engine(EngineConfig(renderer_threads=1), "m").engine_kwargs()
     )
+
+
+def test_core_threads_are_set_for_the_core_start_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine core reads OMP_NUM_THREADS when it is spawned; this process's HF processor
+    reads it at call time, so the value must be gone again once the core has started."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    restore = frontend.core_threads(None, cpu_only=False)
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    restore()
+    assert "OMP_NUM_THREADS" not in os.environ
+    restore = frontend.core_threads(3, cpu_only=False)
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    restore()
+    # On CPU the core runs the model: left alone unless asked for.
+    frontend.core_threads(None, cpu_only=True)()
+    assert "OMP_NUM_THREADS" not in os.environ
+    # A value the user exported wins and survives the restore.
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    frontend.core_threads(2, cpu_only=False)()
+    assert os.environ["OMP_NUM_THREADS"] == "6"
