@@ -393,17 +393,17 @@ def engine_process_env() -> None:
         # spin-waits (a quarter of all CPU samples on a 2-core host in bench/cpu_overhead.py).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Read by the engine core when it starts (bench/soak.py, 20,000 jobs). glibc's mmap
-        # threshold is fixed at its own ceiling, 32 MiB: left dynamic, the first large free
-        # raises it and the trim threshold with it, and freed tensor memory stays in the heaps
+        # threshold is fixed at its own ceiling, 32 MiB. Left dynamic, the first large free
+        # raises it and the trim threshold with it, so freed tensor memory stays in the heaps
         # (about as much again as vLLM's processor cache); fixed, trimming stays at 128 KiB.
-        # Fixed low (128 KiB, until session 13), every larger tensor is
-        # mmapped and page-faulted in anew, which cost 40 % of cold images/s in
-        # bench/cpu_overhead.py (18.5 against 30.4) and a quarter of the soak's jobs/s (50.6
-        # against 66.8) for 142 MiB less peak tree RSS, both flat. Two caches of compiled CPU
-        # kernels keep one entry per new input shape, up to 1,024 each: oneDNN's own and
-        # PyTorch's ideep cache (LRU_CACHE_CAPACITY; with it at 8 the engine core's malloc'd
-        # bytes stayed flat from 5,000 to 20,000 jobs and the tree's slope fell from 9.0 to 5.5
-        # MiB per 1,000 jobs). Not set on GPUs, where their cost was not measured.
+        # Fixed low instead (128 KiB), every larger tensor is mmapped and page-faulted in
+        # anew: 18.5 instead of 30.4 cold images/s in bench/cpu_overhead.py and 50.6 instead
+        # of 66.8 jobs/s in the soak, to save 142 MiB of peak tree RSS (both flat). Two caches
+        # of compiled CPU kernels keep one entry per new input shape, up to 1,024 each:
+        # oneDNN's own and PyTorch's ideep cache (LRU_CACHE_CAPACITY; with it at 8 the engine
+        # core's malloc'd bytes stayed flat from 5,000 to 20,000 jobs and the tree's slope fell
+        # from 9.0 to 5.5 MiB per 1,000 jobs). Not set on GPUs, where their cost was not
+        # measured.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
         os.environ.setdefault("LRU_CACHE_CAPACITY", "8")
