@@ -143,7 +143,8 @@ def print_report(report: dict[str, Any]) -> None:
     if many.get("per_engine"):
         sched = [e["scheduler"] for e in many["per_engine"]]
         print(
-            f"  {raw_engines.label(many['engines'])}: all loaded after {many.get('all_ready_s')}s "
+            f"  {raw_engines.label(many['engines'])}: loaded {many.get('start', 'together')}, "
+            f"all after {many.get('all_ready_s')}s "
             f"(start-up {[e['startup_s'] for e in many['per_engine']]}s, KV blocks "
             f"{[s.get('num_gpu_blocks') for s in sched]}, batch limits "
             f"{ {k: v for k, v in sched[0].items() if k != 'num_gpu_blocks'} }); jobs/s per engine "

@@ -9,11 +9,15 @@ How it stays comparable with `bench/e2e.py`'s single raw engine: the same worker
 engine arguments (GPU memory split N ways, like the worker's `processes`), the same code decodes and
 resizes the same files outside the timing, and the prompts, warm-up, sampling and cold caches
 (content-hash uuids in a new process) are those of the single engine's first run. The N engines
-start together (one start-up, ~70 s on an H200, instead of N) while this process prepares the
-inputs; nothing is timed before every engine is loaded and warmed up. Then one kind at a time
-(images, then videos) every engine is told to go at once and generates its share; the kind's wall
-runs from the earliest start to the last engine's finish, and latency is request finish minus that
-start (vLLM's progress hook, as for the single engine).
+load one after another, as the worker's processes do: vLLM sizes an engine's KV cache from the GPU
+memory it sees change while it profiles, so engines loading at the same moment skew each other's
+share (on the H200 one of two engines started together got 600-9,400 KV blocks against the other's
+83,000-97,000, and finished its half 7-10 % later, which bounds the row). `--start-together` keeps
+that setup for comparison. This process prepares the inputs while the first engine loads, and
+nothing is timed before every engine is loaded and warmed up. Then one kind at a time (images,
+then videos) every engine is told to go at once and generates its share; the kind's wall runs from
+the earliest start to the last engine's finish, and latency is request finish minus that start
+(vLLM's progress hook, as for the single engine).
 
     python bench/peers/raw_engines.py --model /tmp/qwen3b --load-format dummy --engines 2 \\
         --images 1000 --videos 100 --max-tokens 64 --max-model-len 8192
@@ -63,6 +67,7 @@ class Spec:
     max_tokens: int
     ignore_eos: bool
     timeout_s: float
+    start_together: bool = False
 
 
 def label(engines: int) -> str:
@@ -106,8 +111,9 @@ def _serve(index: int, link: Connection, kwargs: dict[str, Any], spec: Spec) -> 
     t0 = time.monotonic()
     llm: Any = LLM(**kwargs)  # the prompts are plain dicts, not vLLM's typed prompts
     startup_s = time.monotonic() - t0
+    link.send(("loaded", {"index": index}))  # its KV cache is sized: the next engine may load
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path, revision=kwargs.get("revision"))
-    share: dict[str, list[Any]] = link.recv()  # sent while this engine loaded
+    share: dict[str, list[Any]] = link.recv()  # sent once every engine has loaded
     sampling = raw.sampling_params(spec.max_tokens, spec.ignore_eos)
     hook_ok = raw.warm_up(llm, tokenizer, sampling, share)
     # Content hashes as uuids, as the single engine's first run and the worker send them: this
@@ -187,8 +193,9 @@ def _collect(engines: list[_Engine], expected: str, deadline: float) -> list[dic
 
 
 def _send_quietly(link: Connection, payload: Any) -> None:
-    """Runs in a thread: the pipe blocks until the engine reads, i.e. until it has loaded, and
-    the coordinator must keep watching every engine's health and the deadline meanwhile."""
+    """Runs in a thread: a large share blocks the pipe until the engine reads it (after its
+    tokenizer loads), and the coordinator must keep watching every engine's health and the
+    deadline meanwhile."""
     with contextlib.suppress(OSError):  # the engine died; `_collect` reports it
         link.send(payload)
 
@@ -222,20 +229,29 @@ def run_engines(spec: Spec) -> dict[str, Any]:
     engines: list[_Engine] = []
     out: dict[str, Any] = {"engines": n, "engine_kwargs": kwargs}
     stopped = False
+    out["start"] = "together" if spec.start_together else "one after another"
+
+    def start(i: int) -> _Engine:
+        parent, child = ctx.Pipe()
+        # Not daemonic: vLLM starts its engine core as a child of each engine.
+        proc = ctx.Process(
+            target=engine_main, args=(i, child, kwargs, spec), name=f"raw-engine-{i}"
+        )
+        proc.start()
+        child.close()
+        engines.append(_Engine(i, proc, parent))
+        return engines[-1]
+
     try:
-        for i in range(n):
-            parent, child = ctx.Pipe()
-            # Not daemonic: vLLM starts its engine core as a child of each engine.
-            proc = ctx.Process(
-                target=engine_main, args=(i, child, kwargs, spec), name=f"raw-engine-{i}"
-            )
-            proc.start()
-            child.close()
-            engines.append(_Engine(i, proc, parent))
-        print(f"{n} raw engines starting together; preparing the inputs meanwhile", flush=True)
+        for i in range(n if spec.start_together else 1):
+            start(i)
+        print(f"{n} raw engines, {out['start']}; preparing the inputs meanwhile", flush=True)
         prepared, out["preprocess"] = raw.prepare_all(
             cfg, [Path(p) for p in spec.images], [Path(p) for p in spec.videos]
         )
+        _collect(engines, "loaded", deadline)
+        for i in range(len(engines), n):  # one after another: each waits for the last one's load
+            _collect([start(i)], "loaded", deadline)
         for e in engines:
             share = {kind: items[e.index :: n] for kind, items in prepared.items()}
             threading.Thread(target=_send_quietly, args=(e.link, share), daemon=True).start()
@@ -331,7 +347,7 @@ def run_child(
     """This script on an e2e run's worker settings and media, in a subprocess of its own (like
     the single engine's peers) so the GPU is free again for the worker passes.
 
-    The script keeps to `--timeout-s` itself (start-up included, all engines loading at once);
+    The script keeps to `--timeout-s` itself (start-up included, every engine's load);
     the margin here only lets it stop its engines before the subprocess would be killed.
     """
     spec = Spec(
@@ -405,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=JSON",
         help="worker setting, as bench/e2e.py takes it (engine.* reaches the engines)",
     )
+    p.add_argument(
+        "--start-together",
+        action="store_true",
+        help="load every engine at once (they skew each other's KV-cache size; the default loads"
+        " them one after another, as the worker does)",
+    )
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="the whole peer")
     p.add_argument("--out", type=Path, default=OUT / "raw-engines.json")
     p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)  # from bench/e2e.py
@@ -451,6 +473,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         max_tokens=opts.max_tokens,
         ignore_eos=opts.ignore_eos,
         timeout_s=opts.timeout_s,
+        start_together=args.start_together,
     )
 
 
