@@ -8,16 +8,16 @@ workaround, so a worker running N processes is held against it as well as agains
 How it stays comparable with `bench/e2e.py`'s single raw engine: the same worker settings give the
 engine arguments (GPU memory split N ways, like the worker's `processes`), the same code decodes and
 resizes the same files outside the timing, and the prompts, warm-up, sampling and cold caches
-(content-hash uuids in a new process) are those of the single engine's first run. The N engines
-load one after another, as the worker's processes do: vLLM sizes an engine's KV cache from the GPU
-memory it sees change while it profiles, so engines loading at the same moment skew each other's
-share (on the H200 one of two engines started together got 600-9,400 KV blocks against the other's
-83,000-97,000, and finished its half 7-10 % later, which bounds the row). `--start-together` keeps
-that setup for comparison. This process prepares the inputs while the first engine loads, and
-nothing is timed before every engine is loaded and warmed up. Then one kind at a time (images,
-then videos) every engine is told to go at once and generates its share; the kind's wall runs from
-the earliest start to the last engine's finish, and latency is request finish minus that start
-(vLLM's progress hook, as for the single engine).
+(content-hash uuids in a new process) are those of the single engine's first run. The N engines load
+one after another, as the worker's processes do: vLLM sizes an engine's KV cache from the GPU memory
+it sees change while it profiles, so engines loading at the same moment skew each other's share (on
+the H200 one of two engines started together got 600-18,000 KV blocks against the other's
+82,000-97,000, and at 1,787 and 3,586 blocks finished its half 7-11 % later, which bounds the row).
+`--start-together` keeps that setup for comparison. This process prepares the inputs while the first
+engine loads, and nothing is timed before every engine is loaded and warmed up. Then one kind at a
+time (images, then videos) every engine is told to go at once and generates its share; the kind's
+wall runs from the earliest start to the last engine's finish, and latency is request finish minus
+that start (vLLM's progress hook, as for the single engine).
 
     python bench/peers/raw_engines.py --model /tmp/qwen3b --load-format dummy --engines 2 \\
         --images 1000 --videos 100 --max-tokens 64 --max-model-len 8192
