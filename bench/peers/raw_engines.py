@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -166,15 +167,28 @@ class _Engine:
     link: Connection
 
 
-def _collect(engines: list[_Engine], expected: str, deadline: float) -> list[dict[str, Any]]:
-    """The barrier: one `expected` message from every engine, or an error naming the engine."""
+def _collect(
+    engines: list[_Engine], expected: str, deadline: float, watch: Sequence[_Engine] = ()
+) -> list[dict[str, Any]]:
+    """The barrier: one `expected` message from every engine, or an error naming the engine.
+
+    `watch`: engines that owe no message now but must stay alive, such as those already loaded
+    while the next one loads (minutes each), so a crash among them stops the run at once rather
+    than at the next barrier."""
     pending = {e.index: e for e in engines}
     got: dict[int, dict[str, Any]] = {}
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"raw engines {sorted(pending)}: no {expected!r} before the timeout")
-        wait([w for e in pending.values() for w in (e.link, e.proc.sentinel)], min(left, 5.0))
+        waitables = [w for e in pending.values() for w in (e.link, e.proc.sentinel)]
+        wait(waitables + [e.proc.sentinel for e in watch], min(left, 5.0))
+        for e in watch:
+            if not e.proc.is_alive():
+                raise RuntimeError(
+                    f"raw engine {e.index} exited ({e.proc.exitcode}) while waiting for "
+                    f"{expected!r} from engine(s) {sorted(pending)}"
+                )
         for e in list(pending.values()):
             if e.link.poll():
                 try:
@@ -251,7 +265,8 @@ def run_engines(spec: Spec) -> dict[str, Any]:
         )
         _collect(engines, "loaded", deadline)
         for i in range(len(engines), n):  # one after another: each waits for the last one's load
-            _collect([start(i)], "loaded", deadline)
+            loaded = list(engines)
+            _collect([start(i)], "loaded", deadline, watch=loaded)
         for e in engines:
             share = {kind: items[e.index :: n] for kind, items in prepared.items()}
             threading.Thread(target=_send_quietly, args=(e.link, share), daemon=True).start()
