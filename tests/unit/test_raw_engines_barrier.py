@@ -81,4 +81,4 @@ def test_without_the_watch_the_same_death_goes_unseen_until_the_deadline(
     _start(engines, 0, _die_soon)
     loading = _start(engines, 1, _idle)
     with pytest.raises(TimeoutError, match=r"raw engines \[1\]: no 'loaded'"):
-        _collect([loading], "loaded", time.monotonic() + 2.0)
+        _collect([loading], "loaded", time.monotonic() + 1.5)
