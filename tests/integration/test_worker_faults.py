@@ -76,7 +76,7 @@ def test_a_job_that_kills_the_engine_is_dead_lettered_and_its_batch_mates_are_an
         "limits.max_in_flight": 32,
     }
     gen = GenerationParams(max_tokens=8)
-    jobs = [_job(f"ok-{i}", gen) for i in range(200)]
+    jobs = [_job(f"ok-{i}", gen) for i in range(120)]  # 40 before the killer, 80 after it
     killer = _job("killer", GenerationParams(max_tokens=8, temperature=1.0, seed=3), LONG_PROMPT)
     jobs.insert(40, killer)
     collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
