@@ -10,7 +10,8 @@
 # the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
 # them). Every stage keeps its output in $RES (default /tmp/s10; the warm machine keeps /tmp
 # between calls) and copies all of it, with the model config bench/mfu.py reads, to $OUT, so a
-# stage cut off by the call's time limit still returns what it finished. While a stage runs,
+# stage cut off by the call's time limit still returns what it finished, and the logs of every
+# engine and worker run so far (gzipped, in $OUT/logs). While a stage runs,
 # nvidia-smi samples the GPU's utilisation every 200 ms into $RES/smi-STAGE-NAME.csv. A stage
 # exits non-zero when its report is missing or not ok, so a call can fall back to other settings
 # (`... || ...`).
@@ -27,6 +28,12 @@ finish() {
     cp -r "$res"/. "${OUT:-bench/out}"/ 2>/dev/null
     cp "$model/config.json" "${OUT:-bench/out}/model-config.json" 2>/dev/null
     cp bench/out/profile-*.txt "${OUT:-bench/out}"/ 2>/dev/null
+    # The engines' and workers' logs (start-up steps with their times), gzipped: they show where
+    # a start-up's minutes go, which the reports give only as one number.
+    mkdir -p "${OUT:-bench/out}/logs"
+    for f in /tmp/e2e/*.log; do
+        [[ -f $f ]] && gzip -c "$f" >"${OUT:-bench/out}/logs/$(basename "$f").gz"
+    done
     true
 }
 trap finish EXIT
