@@ -86,8 +86,16 @@ def test_a_job_that_kills_the_engine_is_dead_lettered_and_its_batch_mates_are_an
     try:
         for w in workers.values():
             w.__enter__()
+        # Both members must hold partitions before the killer can be fetched: a worker whose
+        # engine dies while the other's join is pending, before its heartbeat has told it so,
+        # sends a LeaveGroup that the embedded (Tansu) broker never settles, and the group stays
+        # without an assignment for good (one CI run: nothing answered in 600 s; see
+        # `kafka_io.close_consumer` for the case the worker can see). A member is assigned only
+        # once the whole group has joined, so "assigned" in both logs means settled.
         for w in workers.values():
             _wait_for_log(w, "consuming", 300)
+        for w in workers.values():
+            _wait_for_log(w, "assigned [", 120)
         post(broker.bootstrap, topics["input"], jobs, Posted())
         wanted = {job_id for job_id, _ in jobs}
         deadline = time.monotonic() + 600
