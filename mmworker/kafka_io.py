@@ -350,6 +350,10 @@ def may_have_records(consumer: Any, tp: Any, unparsed: dict[Any, int] | None = N
     return offset is None or high > offset
 
 
+# The heartbeat `close_consumer` sends before leaving waits at most this long for its answer.
+PROBE_MS = 2000
+
+
 def close_consumer(consumer: KafkaConsumer, timeout_ms: int) -> None:
     """Close without committing; leave the group only if this member is not behind a rebalance.
 
@@ -358,11 +362,39 @@ def close_consumer(consumer: KafkaConsumer, timeout_ms: int) -> None:
     Tansu broker: the members that did rejoin never get an answer, retries included (seen in CI;
     tests/integration/test_group_leave.py checks the way out). Skipping the LeaveGroup then costs
     at most one session timeout on Apache Kafka, where the coordinator drops the silent member.
-    Reads kafka-python's coordinator state, private API of the pinned release, hence here."""
-    if rebalance_pending(consumer):
-        log.info("a rebalance is pending: closing without LeaveGroup (the session times out)")
+    The client learns of a rebalance only from its next heartbeat, up to one heartbeat interval
+    after the join that started it (a CI run lost a test in that window), so one heartbeat is
+    sent now, before deciding. Reads kafka-python's coordinator state, private API of the pinned
+    release, hence here."""
+    if rebalance_pending(consumer) or not heartbeat_now(consumer, min(timeout_ms, PROBE_MS)):
+        log.info(
+            "a rebalance is pending or the coordinator did not answer: closing without "
+            "LeaveGroup (the session times out)"
+        )
         consumer._coordinator.reset_generation()
     consumer.close(False, timeout_ms)
+
+
+def heartbeat_now(consumer: KafkaConsumer, timeout_ms: int) -> bool:
+    """One heartbeat, sent and answered now: False when the coordinator answered that a
+    rebalance is in progress (kafka-python's handler then sets `rejoin_needed`), or answered
+    with another error, or not within `timeout_ms` (a broker that cannot answer a heartbeat
+    will not answer a LeaveGroup either, so the close skips that wait too). True, without a
+    request, for a member with nothing to leave."""
+    coordinator = consumer._coordinator
+    if coordinator.coordinator_unknown() or not coordinator._generation.has_member_id():
+        return True
+    manager = coordinator._manager
+
+    async def beat() -> None:
+        await manager.wait_for(manager.call_soon(coordinator._send_heartbeat_request), timeout_ms)
+
+    try:
+        manager.run(beat)
+    except KafkaError as exc:
+        log.info("heartbeat before leaving the group: %r", exc)
+        return False
+    return True
 
 
 def rebalance_pending(consumer: KafkaConsumer) -> bool:

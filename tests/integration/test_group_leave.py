@@ -3,7 +3,9 @@
 On the Tansu broker a LeaveGroup sent by a member that has not rejoined a pending rebalance
 leaves the members that did rejoin without an answer, for good (a CI run lost a whole test to
 it: one worker died of an engine crash just as the other joined). `close_consumer` skips the
-LeaveGroup in that state; the session timeout then frees the group, as on Apache Kafka.
+LeaveGroup in that state; the session timeout then frees the group, as on Apache Kafka. A member
+learns of the rebalance only from its next heartbeat, so `close_consumer` sends one first: the
+second test closes inside that window, with kafka-python's own close as the control.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from kafka import KafkaConsumer
+from kafka.coordinator.base import MemberState
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker
-from mmworker.kafka_io import close_consumer, ensure_topics
+from mmworker.kafka_io import close_consumer, ensure_topics, heartbeat_now
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +73,56 @@ def test_a_member_stopping_during_a_pending_rebalance_does_not_wedge_the_group(
     finally:
         joiner.join(70)
         second.close(False, 5000)
+
+
+def _join_and_close_unseen(
+    broker: EmbeddedBroker, close: Callable[[KafkaConsumer], None]
+) -> float | None:
+    """`first` holds the group with its heartbeats paused (the interval between two of them);
+    `second` joins, which starts a rebalance `first` has not heard of; `first` closes with
+    `close`. How long `second` then waited for its assignment (None: not within 25 s)."""
+    topic, group = f"unseen-{uuid.uuid4().hex[:6]}", f"unseen-{uuid.uuid4().hex[:6]}"
+    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: 3})
+    first = _consumer(broker.bootstrap, topic, group)
+    assert _poll_until_assigned(first, 60) is not None
+    first._coordinator._disable_heartbeat()
+    time.sleep(0.5)  # a heartbeat already in flight comes back
+    second = _consumer(broker.bootstrap, topic, group)
+    joined: list[float | None] = []
+    joiner = threading.Thread(target=lambda: joined.append(_poll_until_assigned(second, 25)))
+    joiner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while second._coordinator.state != MemberState.REBALANCING and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # its JoinGroup reaches the coordinator
+        assert not first._coordinator.rejoin_needed, "the first member heard of the rebalance"
+        close(first)
+        joiner.join(40)
+        return joined[0] if joined else None
+    finally:
+        joiner.join(40)
+        second.close(False, 5000)
+
+
+@pytest.mark.timeout(180)
+def test_a_member_stopping_before_its_heartbeat_hears_of_the_rebalance_does_not_wedge_it(
+    broker: EmbeddedBroker,
+) -> None:
+    # Control: kafka-python's close sends the LeaveGroup and the group never settles.
+    assert _join_and_close_unseen(broker, lambda c: c.close(False, 5000)) is None
+    waited = _join_and_close_unseen(broker, lambda c: close_consumer(c, 5000))
+    # About the session timeout plus a join round.
+    assert waited is not None and waited < 20, waited
+
+
+def test_a_heartbeat_now_tells_whether_the_coordinator_answers(broker: EmbeddedBroker) -> None:
+    topic, group = f"beat-{uuid.uuid4().hex[:6]}", f"beat-{uuid.uuid4().hex[:6]}"
+    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: 1})
+    member = _consumer(broker.bootstrap, topic, group)
+    try:
+        assert _poll_until_assigned(member, 60) is not None
+        assert heartbeat_now(member, 2000)
+        assert not member._coordinator.rejoin_needed
+    finally:
+        member.close(False, 5000)

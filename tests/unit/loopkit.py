@@ -185,6 +185,9 @@ class Consumer:
         class Coordinator:
             rejoin_needed = False  # `kafka_io.close_consumer` reads it
 
+            def coordinator_unknown(self) -> bool:  # no broker: `heartbeat_now` sends nothing
+                return True
+
             async def _commit_offsets_sync_async(self, offsets: Any, timeout_ms: int) -> None:
                 consumer.commit(offsets)
 
