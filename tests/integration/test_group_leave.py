@@ -45,17 +45,29 @@ def _poll_until_assigned(consumer: KafkaConsumer, timeout: float) -> float | Non
     return None
 
 
+def _assigned_member(broker: EmbeddedBroker, prefix: str, partitions: int) -> KafkaConsumer:
+    """The first member of a new group on a new topic, once it holds every partition."""
+    topic, group = f"{prefix}-{uuid.uuid4().hex[:6]}", f"{prefix}-{uuid.uuid4().hex[:6]}"
+    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: partitions})
+    member = _consumer(broker.bootstrap, topic, group)
+    assert _poll_until_assigned(member, 60) is not None
+    return member
+
+
+def _second(first: KafkaConsumer) -> KafkaConsumer:
+    """Another member for `first`'s group and topic."""
+    (topic,) = first.subscription()
+    return _consumer(first.config["bootstrap_servers"], topic, first.config["group_id"])
+
+
 @pytest.mark.timeout(120)
 def test_a_member_stopping_during_a_pending_rebalance_does_not_wedge_the_group(
     broker: EmbeddedBroker,
 ) -> None:
-    topic, group = f"leave-{uuid.uuid4().hex[:6]}", f"leave-{uuid.uuid4().hex[:6]}"
-    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: 3})
-    first = _consumer(broker.bootstrap, topic, group)
-    assert _poll_until_assigned(first, 60) is not None
+    first = _assigned_member(broker, "leave", 3)
     # `first` stops polling (its engine died); `second` joins, which starts a rebalance that
     # waits for `first` to rejoin.
-    second = _consumer(broker.bootstrap, topic, group)
+    second = _second(first)
     joined: list[float | None] = []
     joiner = threading.Thread(target=lambda: joined.append(_poll_until_assigned(second, 60)))
     joiner.start()
@@ -81,13 +93,10 @@ def _join_and_close_unseen(
     """`first` holds the group with its heartbeats paused (the interval between two of them);
     `second` joins, which starts a rebalance `first` has not heard of; `first` closes with
     `close`. How long `second` then waited for its assignment (None: not within 25 s)."""
-    topic, group = f"unseen-{uuid.uuid4().hex[:6]}", f"unseen-{uuid.uuid4().hex[:6]}"
-    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: 3})
-    first = _consumer(broker.bootstrap, topic, group)
-    assert _poll_until_assigned(first, 60) is not None
+    first = _assigned_member(broker, "unseen", 3)
     first._coordinator._disable_heartbeat()
     time.sleep(0.5)  # a heartbeat already in flight comes back
-    second = _consumer(broker.bootstrap, topic, group)
+    second = _second(first)
     joined: list[float | None] = []
     joiner = threading.Thread(target=lambda: joined.append(_poll_until_assigned(second, 25)))
     joiner.start()
@@ -117,11 +126,8 @@ def test_a_member_stopping_before_its_heartbeat_hears_of_the_rebalance_does_not_
 
 
 def test_a_heartbeat_now_tells_whether_the_coordinator_answers(broker: EmbeddedBroker) -> None:
-    topic, group = f"beat-{uuid.uuid4().hex[:6]}", f"beat-{uuid.uuid4().hex[:6]}"
-    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {topic: 1})
-    member = _consumer(broker.bootstrap, topic, group)
+    member = _assigned_member(broker, "beat", 1)
     try:
-        assert _poll_until_assigned(member, 60) is not None
         assert heartbeat_now(member, 2000)
         assert not member._coordinator.rejoin_needed
     finally:
