@@ -163,6 +163,7 @@ class Metrics:
             ["topic", "partition"],
             registry=r,
         )
+        self._lag_labels: set[tuple[str, str]] = set()
         self.last_commit = Gauge(
             "mmworker_last_commit_timestamp_seconds",
             "Unix time of the last offset commit that succeeded",
@@ -185,6 +186,16 @@ class Metrics:
             registry=r,
         )
         r.register(ProcessTreeCollector())
+
+    def set_consumer_lag(self, lag: dict[tuple[str, str], float]) -> None:
+        """Replace the lag series by `lag` ((topic, partition) → records) without a moment with
+        fewer: each partition is set, then only those no longer there are removed. A scrape
+        runs on another thread, and clearing first showed it no series at all meanwhile."""
+        for labels, value in lag.items():
+            self.consumer_lag.labels(*labels).set(value)
+        for labels in self._lag_labels - lag.keys():
+            self.consumer_lag.remove(*labels)
+        self._lag_labels = set(lag)
 
     def watch_engine(self, state: Callable[[], EngineState]) -> None:
         self.registry.register(EngineCollector(state))

@@ -271,7 +271,7 @@ class Worker:
         own) minus this worker's last commit (`OffsetTracker.lag_bases`). A partition without
         a known mark yet (nothing fetched) or revoked meanwhile is left out."""
         bases = self.tracker.lag_bases()
-        self._metrics.consumer_lag.clear()
+        lag: dict[tuple[str, str], float] = {}
         for tp in list(self._owned):
             base = bases.get(TopicPartition(tp.topic, tp.partition))
             try:
@@ -279,9 +279,8 @@ class Worker:
             except IllegalStateError:  # revoked between the listing and the read
                 continue
             if high is not None and base is not None:
-                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
-                    max(0, high - base)
-                )
+                lag[(tp.topic, str(tp.partition))] = max(0, high - base)
+        self._metrics.set_consumer_lag(lag)
 
     def _stop_fatally(self, code: ExitCode, what: str, exc: BaseException) -> None:
         if self._fatal is None:
