@@ -12,6 +12,12 @@ the IPv4 address they lead to, since that is where the packets end up.
 Order of the rules, strongest first: `deny_networks` (operator), then the table, which
 `allow_private_networks` opens for loopback/private/link-local blocks only and `allow_networks`
 opens block by block.
+
+The clouds' metadata and host-agent endpoints (`CLOUD_ENDPOINTS`) hand out instance credentials
+or configuration to whatever on the VM asks, so a job's URI must never reach them: they are
+refused even where they sit in public space (Azure's 168.63.129.16), `allow_private_networks`
+does not open them, and `allow_networks` opens one only with an entry inside it (naming the
+endpoint itself: a media server's 169.254.0.0/16 does not open 169.254.169.254).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class SpecialRange:
     #: the networks a self-hosted media server plausibly lives on. Documentation, multicast,
     #: broadcast, benchmarking and protocol ranges never hold one and stay closed.
     internal: bool = False
+    #: A cloud's metadata or host-agent endpoint: opened only by an `allow_networks` entry
+    #: inside it (see the module's docstring).
+    cloud_endpoint: bool = False
 
 
 def _v4(cidr: str, label: str, internal: bool = False) -> SpecialRange:
@@ -44,14 +53,37 @@ def _v6(cidr: str, label: str, internal: bool = False) -> SpecialRange:
     return SpecialRange(IPv6Network(cidr), label, internal)
 
 
-#: IANA IPv4 Special-Purpose Address Registry, every entry, plus 224/4 and 240/4. The first
-#: matching row names the address, so nested rows (255.255.255.255 in 240/4) come first.
+def _cloud(cidr: str) -> SpecialRange:
+    network = IPv4Network(cidr) if ":" not in cidr else IPv6Network(cidr)
+    return SpecialRange(network, "cloud-metadata", cloud_endpoint=True)
+
+
+#: Metadata and host-agent endpoints of the clouds, each one address. Most sit inside a block of
+#: the tables below, which they come before (the first matching row names an address).
+CLOUD_ENDPOINTS: tuple[SpecialRange, ...] = (
+    _cloud("168.63.129.16/32"),  # Azure WireServer (host agent: VM configuration, certificates)
+    _cloud("169.254.169.254/32"),  # AWS, Azure, GCP, Oracle, DigitalOcean, OpenStack metadata
+    _cloud("169.254.170.2/32"),  # AWS ECS task metadata and credentials
+    _cloud("169.254.170.23/32"),  # AWS EKS Pod Identity agent (credentials)
+    _cloud("169.254.0.23/32"),  # Tencent Cloud metadata
+    _cloud("100.100.100.200/32"),  # Alibaba Cloud metadata
+    _cloud("192.0.0.192/32"),  # Oracle Cloud metadata (older instances)
+    _cloud("fd00:ec2::254/128"),  # AWS metadata over IPv6
+    _cloud("fd00:ec2::23/128"),  # AWS EKS Pod Identity agent over IPv6
+    _cloud("fd20:ce::254/128"),  # GCP metadata over IPv6
+)
+
+
+#: The IPv4 cloud endpoints, then the IANA IPv4 Special-Purpose Address Registry, every entry,
+#: plus 224/4 and 240/4. The first matching row names the address, so nested rows
+#: (255.255.255.255 in 240/4) come first.
 SPECIAL_IPV4: tuple[SpecialRange, ...] = (
+    *(row for row in CLOUD_ENDPOINTS if row.network.version == 4),
     _v4("0.0.0.0/8", "unspecified"),  # "this network"; connecting to 0.0.0.0 reaches the host
     _v4("10.0.0.0/8", "private", internal=True),
-    _v4("100.64.0.0/10", "non-global", internal=True),  # shared/carrier NAT; Alibaba metadata
+    _v4("100.64.0.0/10", "non-global", internal=True),  # shared/carrier NAT
     _v4("127.0.0.0/8", "loopback", internal=True),
-    _v4("169.254.0.0/16", "link-local", internal=True),  # 169.254.169.254 cloud metadata
+    _v4("169.254.0.0/16", "link-local", internal=True),
     _v4("172.16.0.0/12", "private", internal=True),
     _v4("192.0.0.0/24", "protocol-assignment"),  # DS-Lite, PCP/TURN anycast, NAT64 discovery
     _v4("192.0.2.0/24", "documentation"),
@@ -75,12 +107,13 @@ _UNALLOCATED_IPV6 = (
     "8000::/3", "a000::/3", "c000::/3", "e000::/4", "f000::/5", "f800::/6", "fe00::/9",
 )  # fmt: skip
 
-#: IANA IPv6 Special-Purpose Address Registry (2001::/23 as one block: Teredo, ORCHID, AMT,
-#: benchmarking, AS112 and the rest of the IETF protocol assignments), then every block of the
-#: IPv6 address space outside 2000::/3 that IANA has not allocated for unicast. The embedding
-#: prefixes (::ffff:0:0/96, 64:ff9b::/96, 64:ff9b:1::/48, 2002::/16) are not here: see
-#: `embedded_ipv4`.
+#: The IPv6 cloud endpoints, then the IANA IPv6 Special-Purpose Address Registry (2001::/23 as
+#: one block: Teredo, ORCHID, AMT, benchmarking, AS112 and the rest of the IETF protocol
+#: assignments), then every block of the IPv6 address space outside 2000::/3 that IANA has not
+#: allocated for unicast. The embedding prefixes (::ffff:0:0/96, 64:ff9b::/96, 64:ff9b:1::/48,
+#: 2002::/16) are not here: see `embedded_ipv4`.
 SPECIAL_IPV6: tuple[SpecialRange, ...] = (
+    *(row for row in CLOUD_ENDPOINTS if row.network.version == 6),
     _v6("::/128", "unspecified"),
     _v6("::1/128", "loopback", internal=True),
     _v6("100::/64", "discard-only"),
@@ -89,7 +122,7 @@ SPECIAL_IPV6: tuple[SpecialRange, ...] = (
     _v6("2620:4f:8000::/48", "as112"),
     _v6("3fff::/20", "documentation"),
     _v6("5f00::/16", "srv6-sid"),
-    _v6("fc00::/7", "private", internal=True),  # unique local; fd00:ec2::254 is AWS metadata
+    _v6("fc00::/7", "private", internal=True),  # unique local
     _v6("fe80::/10", "link-local", internal=True),
     _v6("fec0::/10", "site-local", internal=True),  # deprecated, still routed in old networks
     _v6("ff00::/8", "multicast"),
@@ -187,12 +220,25 @@ def refusal(
     if reason_of(address) is None:
         return None
     for culprit, row in blockers(ip):
+        if row.cloud_endpoint:
+            if _named(culprit, row.network, policy.allow_networks):
+                continue
+            return (
+                f"a {row.label} address (the cloud host's metadata or agent endpoint); only a "
+                "preprocess.allow_networks entry naming it opens it"
+            )
         if policy.allow_private_networks and row.internal:
             continue
         if _within(culprit, policy.allow_networks) or _within(ip, policy.allow_networks):
             continue
         return f"a {row.label} address; internal networks are not reachable from jobs"
     return None
+
+
+def _named(ip: IPAddress, endpoint: IPNetwork, networks: tuple[IPNetwork, ...]) -> bool:
+    """An allowed block holds `ip` and lies inside `endpoint` (not a wider block around it)."""
+    inside = [net for net in networks if net.version == endpoint.version == ip.version]
+    return any(ip in net and net.subnet_of(endpoint) for net in inside)  # type: ignore[arg-type]
 
 
 def _within(ip: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
