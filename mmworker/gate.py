@@ -20,9 +20,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
+
+
+class WaitClock:
+    """One attempt's time limit, stopped while its job waits at the gate.
+
+    A backfill job waits here while any live job is being worked on, and a suspect until the
+    engine is empty: under sustained live traffic, as long as the traffic lasts. Counted in the
+    attempt's limits (`limits.job_timeout_s`, `job_deadline_s`), such a job was dead-lettered as
+    job_timeout without having run. `JobRunner` sets one per attempt in `WAIT_CLOCK`."""
+
+    def __init__(self, limit: asyncio.Timeout) -> None:
+        self._limit = limit
+        #: Seconds this attempt spent waiting here (its job deadline moves by as much).
+        self.waited_s = 0.0
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        when = self._limit.when()
+        if when is None or self._limit.expired():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._limit.reschedule(None)
+        try:
+            yield
+        finally:
+            waited = loop.time() - start
+            self.waited_s += waited
+            self._limit.reschedule(when + waited)
+
+
+#: The clock of the attempt running in this task, None outside one (a test calling the gate).
+WAIT_CLOCK: ContextVar[WaitClock | None] = ContextVar("wait_clock", default=None)
+
+
+@contextlib.contextmanager
+def _waiting() -> Iterator[None]:
+    clock = WAIT_CLOCK.get()
+    with clock.stopped() if clock is not None else contextlib.nullcontext():
+        yield
 
 
 class EngineGate:
@@ -81,13 +123,14 @@ class EngineGate:
     @asynccontextmanager
     async def shared(self, background: bool = False) -> AsyncIterator[None]:
         async with self._cond:
-            while not self._may_enter(background):
-                left = self._recent_left() if background else 0.0
-                if left > 0 and not self._foreground:  # wake when traffic stops being recent
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), left)
-                else:
-                    await self._cond.wait()
+            with _waiting():
+                while not self._may_enter(background):
+                    left = self._recent_left() if background else 0.0
+                    if left > 0 and not self._foreground:  # wake when traffic is no longer recent
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._cond.wait(), left)
+                    else:
+                        await self._cond.wait()
             self._inside += 1
             self._background_inside += background
         try:
@@ -117,7 +160,8 @@ class EngineGate:
         got = False
         try:
             async with self._cond:
-                await self._cond.wait_for(lambda: self._inside == 0 and not self._alone)
+                with _waiting():
+                    await self._cond.wait_for(lambda: self._inside == 0 and not self._alone)
                 self._alone = got = True
         finally:
             self._waiting_alone -= 1

@@ -30,7 +30,7 @@ from mmworker.errors import (
     VisualBudgetExceeded,
     WorkerError,
 )
-from mmworker.gate import EngineGate
+from mmworker.gate import WAIT_CLOCK, EngineGate, WaitClock
 from mmworker.lanes import BACKGROUND
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
@@ -127,33 +127,45 @@ class JobRunner:
         limits = self._cfg.limits
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.job_deadline_s
+        gated = 0.0  # seconds waited at the engine gate: they count in neither limit (WaitClock)
         job: Job | None = None
         attempts = 0
         while True:
             attempts += 1
-            timeout = min(limits.job_timeout_s, deadline - loop.time())
+            timeout = min(limits.job_timeout_s, deadline + gated - loop.time())
+            clock: WaitClock | None = None
             try:
                 job = parse_job(raw)
                 logs.bind_job(job_id=job.job_id)
-                result = await asyncio.wait_for(
-                    self._attempt(job, ctx, broker_ts_ms, isolated), timeout=timeout
-                )
+                async with asyncio.timeout(timeout) as limit:
+                    clock = WaitClock(limit)
+                    token = WAIT_CLOCK.set(clock)
+                    try:
+                        result = await self._attempt(job, ctx, broker_ts_ms, isolated)
+                    finally:
+                        WAIT_CLOCK.reset(token)
                 return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
             except (EngineFatal, PreprocessPoolDead):
                 raise
             except TimeoutError:
                 what = "job" if timeout < limits.job_timeout_s else "attempt"
-                limit = limits.job_deadline_s if what == "job" else limits.job_timeout_s
-                error: Exception = JobTimeout(f"{what} exceeded {limit}s (attempt {attempts})")
+                seconds = limits.job_deadline_s if what == "job" else limits.job_timeout_s
+                waited = clock.waited_s if clock is not None else 0.0
+                waited += gated if what == "job" else 0.0
+                note = f"; {waited:.1f}s at the engine gate not counted" if waited > 0.05 else ""
+                error: Exception = JobTimeout(
+                    f"{what} exceeded {seconds}s (attempt {attempts}{note})"
+                )
             except _TYPED as exc:
                 error = exc
             except Exception as exc:
                 log.exception("unexpected error in job at %s", ctx.source)
                 error = WorkerError(f"internal error: {type(exc).__name__}: {exc}")
+            gated += clock.waited_s if clock is not None else 0.0
             code, message, retryable = _classify(error)
             backoff = limits.retry_backoff_s * 2 ** (attempts - 1)
             if retryable and attempts < limits.max_attempts:
-                if loop.time() + backoff < deadline:
+                if loop.time() + backoff < deadline + gated:
                     self._metrics.retries.inc()
                     await asyncio.sleep(backoff)
                     continue

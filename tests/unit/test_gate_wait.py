@@ -1,0 +1,121 @@
+"""Time a job spends waiting at the engine gate counts against neither its attempt's timeout nor
+its job deadline.
+
+The gate keeps backfill jobs out of the engine while any live job is being worked on, which under
+sustained live traffic lasts as long as the traffic does. Counted in the attempt, a backfill job
+that never ran was dead-lettered as job_timeout. The real JobRunner and EngineGate run here; the
+engine and the media stage are stand-ins that answer when the test says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+from mmworker.preprocess.params import PreparedImage
+from mmworker.schemas import Failure, Job, MediaRef, Result, SourceCoords
+
+from mmworker.engine import EngineOutput
+from mmworker.jobs import JobRunner
+from mmworker.media import PreparedMedia
+from mmworker.metrics import Metrics
+from mmworker.records import Context
+from tests.unit.loopkit import config
+
+LIVE, BACKFILL = "jobs", "backfill"
+#: Live jobs one after another, each inside the engine for STEP_S and overlapping the next, so
+#: that one is always being worked on: STEPS x STEP_S is past the backfill job's job deadline
+#: (1.2 s), each live job well inside its own attempt's limit (0.8 s).
+STEPS, STEP_S = 10, 0.2
+
+
+class _Stage:
+    async def prepare(self, job: Job, budgets: Any) -> list[PreparedMedia]:
+        image = PreparedImage(np.zeros((28, 28, 3), np.uint8), (28, 28))
+        return [PreparedMedia(image, "ab" * 32, "key", False, 0.0, 0.0) for _ in job.media]
+
+
+class _Engine:
+    """A live job's generation lasts until the test sets the event it left in `live`; a
+    backfill one takes `backfill_s`."""
+
+    def __init__(self, backfill_s: float) -> None:
+        self.backfill_s = backfill_s
+        self.live: list[asyncio.Event] = []
+        self.ran: list[str] = []
+
+    def prompt_tokens(self, instruction: str, kinds: tuple[str, ...]) -> int:
+        return 10
+
+    async def generate(
+        self, request_id: str, instruction: str, items: list[Any], params: Any,
+        guide: Any = None, background: bool = False,
+    ) -> EngineOutput:  # fmt: skip
+        self.ran.append(request_id.partition("@")[0])
+        if request_id.startswith("live"):
+            done = asyncio.Event()
+            self.live.append(done)
+            await done.wait()
+        else:
+            await asyncio.sleep(self.backfill_s)
+        return EngineOutput("ok", "stop", 10, 1, 0.0)
+
+
+def _raw(job_id: str) -> bytes:
+    return (
+        Job(job_id=job_id, media=[MediaRef(uri="https://example.test/a.jpg")])
+        .model_dump_json()
+        .encode()
+    )
+
+
+def _ctx(topic: str) -> Context:
+    return Context(SourceCoords(topic=topic, partition=0, offset=1), None, "w", "tiny", None)
+
+
+def _scenario(backfill_s: float) -> tuple[Result | Failure, _Engine]:
+    cfg = config(job_timeout_s=0.8, job_deadline_s=1.2, max_attempts=3, retry_backoff_s=0.01)
+    cfg = cfg.model_copy(
+        update={"kafka": cfg.kafka.model_copy(update={"backfill_topic": BACKFILL})}
+    )
+    metrics = Metrics()
+
+    async def run() -> tuple[Result | Failure, _Engine]:
+        engine = _Engine(backfill_s)
+        runner = JobRunner(cfg, engine=engine, media=_Stage(), metrics=metrics)  # type: ignore[arg-type]
+        live: list[asyncio.Task[Any]] = []
+        backfill = None
+        for i in range(STEPS):
+            live.append(asyncio.create_task(runner.run(_raw(f"live-{i}"), _ctx(LIVE), 0)))
+            while len(engine.live) <= i:  # inside the engine
+                await asyncio.sleep(0.005)
+            if i:
+                engine.live[i - 1].set()  # the one before may finish: this one holds the gate
+            if backfill is None:
+                backfill = asyncio.create_task(runner.run(_raw("bf"), _ctx(BACKFILL), 0))
+            await asyncio.sleep(STEP_S)
+        assert "bf" not in engine.ran  # it waited at the gate all along
+        engine.live[-1].set()
+        assert backfill is not None
+        outs = await asyncio.wait_for(asyncio.gather(*live, backfill), 30)
+        assert all(isinstance(o.record, Result) for o in outs[:-1]), outs
+        return outs[-1].record, engine
+
+    return asyncio.run(run())
+
+
+def test_a_backfill_job_held_at_the_gate_runs_once_the_live_job_is_done() -> None:
+    backfill, engine = _scenario(backfill_s=0.01)
+    assert isinstance(backfill, Result), backfill  # before: job_timeout, never having run
+    assert engine.ran == [*(f"live-{i}" for i in range(STEPS)), "bf"]
+
+
+def test_the_attempt_timeout_still_bounds_the_jobs_own_engine_time() -> None:
+    """Control: only the wait is left out; a generation slower than the attempt's limit still
+    ends as job_timeout, after the gate wait, with the wait named in the message."""
+    backfill, engine = _scenario(backfill_s=5.0)
+    assert isinstance(backfill, Failure)
+    assert backfill.code == "job_timeout"
+    assert "engine gate" in backfill.message, backfill.message
+    assert engine.ran[STEPS] == "bf"
