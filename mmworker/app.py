@@ -20,6 +20,8 @@ from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import DecodePool, MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
 from mmworker.preprocess.prepare import warm_up
+from mmworker.recovery import EngineRecovery, ProbeReport
+from mmworker.startup import StartupPhases
 from mmworker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -156,11 +158,15 @@ async def _serve(
     store = encoder_store_dir(cfg)
     pruning = None
     summary: asyncio.Task[None] | None = None
+    calming: asyncio.Task[None] | None = None
     if store is not None:
         pruning = asyncio.create_task(
             _prune_forever(store, cfg.cache.encoder_max_bytes, io_pool, metrics)
         )
+    phases = StartupPhases()
+    told: asyncio.Task[None] | None = None
     try:
+        phases.begin("loading the model (the preprocessing pool warms up beside it)")
         warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
@@ -180,20 +186,31 @@ async def _serve(
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         metrics.watch_engine(engine.state)
         probes.engine = health.EngineProbe(alive=engine.alive, progress=engine.progress)
+        phases.begin("waiting for the preprocessing pool")
         for f in warming:
             f.result()
         probes.started = True
         if ready is not None:
             ready()
         if go is not None:
+            phases.begin("waiting for the other worker processes' engines")
             await asyncio.to_thread(go)
+        phases.begin("checking the configured tasks")
         media = MediaStage(
             cfg.preprocess, cache, cpu_pool, io_pool, cfg.cache.min_image_pixels, writer
         )
         runner = JobRunner(cfg, engine, media, metrics)
         await runner.check_tasks()
         check_interrupted()
-        worker = Worker(cfg, runner, metrics, model=cfg.engine.model, health=probes)
+        recovery = None
+        if core is None:  # a shared core belongs to the supervisor, which replaces the process
+            recovery = EngineRecovery(cfg.limits, engine, runner, ProbeReport(metrics, probes))
+            calming = asyncio.create_task(recovery.calm_forever())
+        worker = Worker(
+            cfg, runner, metrics, model=cfg.engine.model, health=probes, recovery=recovery
+        )
+        phases.begin("connecting to the brokers and joining the group")
+        told = asyncio.create_task(phases.log_when(lambda: probes.assigned() > 0))
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))
         code = await worker.run()
@@ -210,6 +227,10 @@ async def _serve(
             server.shutdown()
         if summary is not None:
             summary.cancel()
+        if calming is not None:
+            calming.cancel()
+        if told is not None:
+            told.cancel()
         if pruning is not None:
             pruning.cancel()
         if engine is not None:

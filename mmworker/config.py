@@ -463,6 +463,23 @@ class LimitsConfig(_Section):
 class HealthConfig(_Section):
     """What /livez calls wedged. Both deadlines are far above normal stalls: a failed liveness
     probe restarts the pod, which costs a model load."""
+    engine_restarts: int = Field(
+        5,
+        ge=0,
+        description="Engine deaths within engine_restart_window_s after which the worker starts "
+        "a new engine core in its own process (seconds, not a process restart); one more and "
+        "it exits with code 3 for its orchestrator. 0: exit at the first death",
+    )
+    engine_restart_window_s: float = Field(
+        600.0, gt=0, description="The window engine_restarts counts deaths in"
+    )
+    engine_recover_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="After deaths with different jobs inside (load, not one job), the jobs "
+        "inside the engine are capped at half of those inside at the death; each this many "
+        "seconds without a death doubles the cap, until it no longer binds",
+    )
 
     loop_deadline_s: float = Field(
         10.0,

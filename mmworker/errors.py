@@ -17,9 +17,16 @@ class ConfigError(WorkerError):
 
 
 class EngineFatal(WorkerError):
-    """The engine is dead: stop consuming, commit nothing further, exit non-zero."""
+    """The engine is dead: its jobs wait for a new engine core (`mmworker.recovery`), or, past
+    the restart budget, the worker stops, commits nothing further and exits non-zero."""
 
     code = ErrorCode.ENGINE_ERROR
+
+    def __init__(self, message: str, *, epoch: int = 0) -> None:
+        super().__init__(message)
+        #: The engine core (`Engine.epoch`) that died: a job that saw an older core's death
+        #: after a new one started is run again, not counted as a further death.
+        self.epoch = epoch
 
 
 class PreprocessPoolDead(WorkerError):

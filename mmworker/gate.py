@@ -83,6 +83,9 @@ class EngineGate:
         self._alone = False  # a suspect holds the engine
         self._waiting_alone = 0
         self._foreground = 0  # live jobs being worked on (only counted with a backfill lane)
+        #: Most ordinary jobs inside at once after load-dependent engine deaths
+        #: (`mmworker.recovery`); None: no cap.
+        self._cap: int | None = None
 
     @property
     def isolating(self) -> bool:
@@ -92,8 +95,15 @@ class EngineGate:
         """Seconds until live traffic stops counting as recent (≤ 0: it does not)."""
         return self._last_live + self._idle_s - time.monotonic()
 
+    async def set_cap(self, cap: int | None) -> None:
+        async with self._cond:
+            self._cap = cap
+            self._cond.notify_all()  # a raised or dropped cap lets waiting jobs in
+
     def _may_enter(self, background: bool) -> bool:
         if self.isolating:
+            return False
+        if self._cap is not None and self._inside >= self._cap:
             return False
         if not background:
             return True

@@ -62,6 +62,10 @@ class Health:
         self.stopping = False
         #: Partitions the consumer owns now (the worker keeps it current).
         self.assigned: Callable[[], int] = lambda: 0
+        #: "up", "restarting" (a new core after a death, `mmworker.recovery`) or "degraded"
+        #: (up, with fewer jobs inside after load-dependent deaths, `engine_cap`).
+        self.engine_state = "up"
+        self.engine_cap: int | None = None
 
     def beat(self) -> None:
         self._beat = self._clock()
@@ -82,9 +86,13 @@ class Health:
         if self.engine is not None:
             inside, since = self.engine.progress()
             stalled = now - since if inside else 0.0
+            # A core being replaced is neither alive nor dead: restarting the process would
+            # only start the same engine again, later.
+            restarting = self.engine_state == "restarting"
             checks["engine"] = {
-                "ok": self.engine.alive() and stalled <= self._cfg.engine_stall_s,
+                "ok": restarting or (self.engine.alive() and stalled <= self._cfg.engine_stall_s),
                 "alive": self.engine.alive(),
+                "state": self.engine_state,
                 "requests": inside,
                 "no_progress_s": round(stalled, 3),
             }
@@ -96,7 +104,10 @@ class Health:
             "started": {"ok": self.started},
             "assignment": {"ok": assigned > 0, "partitions": assigned},
             "stopping": {"ok": not self.stopping},
-        }
+            # Degraded still serves (ok); a restart does not, for its few seconds.
+            "engine": {"ok": self.engine_state != "restarting", "state": self.engine_state,
+                       "jobs_cap": self.engine_cap},
+        }  # fmt: skip
         return all(c["ok"] for c in checks.values()), checks
 
     def startupz(self) -> tuple[bool, dict[str, Any]]:

@@ -39,6 +39,7 @@ from mmworker.records import Context, build_failure, build_result, visual_tokens
 from mmworker.schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
 from mmworker.schemas.codes import ErrorCode
 from mmworker.schemas.errors import CodedError
+from mmworker.suspects import suspect_key
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import Plan, plan_job
 
@@ -70,8 +71,13 @@ class JobRunner:
         self._grammars = GrammarChecker(cfg.structured_output, self._grammar_tokenizer)
         #: Jobs inside the engine now, by request id.
         self._in_engine: dict[str, SourceCoords] = {}
-        #: The jobs that were inside the engine when it died (set once, at the first death seen).
+        #: The jobs that were inside the engine when it died (set once per death, by the first
+        #: job to see it; the worker's suspect record forgets it).
         self.dead_with: list[SourceCoords] | None = None
+        #: Clear while a dead engine is being replaced (`mmworker.recovery`): prepared jobs wait
+        #: here instead of meeting the dead engine.
+        self._engine_up = asyncio.Event()
+        self._engine_up.set()
 
     async def check_tasks(self) -> None:
         """Compile the response_format of every task the config adds or changes, once the engine
@@ -87,6 +93,30 @@ class JobRunner:
                 await self._grammars.check(task.response_format)
             except InvalidResponseFormat as exc:
                 raise ConfigError(f"tasks.{name}.response_format: {exc.message}") from None
+
+    # What engine recovery (`mmworker.recovery.Inside`) needs of the runner.
+
+    def inside(self) -> int:
+        return len(self._in_engine)
+
+    def dead_inside(self) -> frozenset[str]:
+        return frozenset(suspect_key(s) for s in self.dead_with or ())
+
+    async def set_engine_cap(self, cap: int | None) -> None:
+        await self._gate.set_cap(cap)
+
+    def engine_down(self) -> None:
+        self._engine_up.clear()
+
+    def engine_up(self) -> None:
+        self._engine_up.set()
+
+    def _saw_death(self, death: EngineFatal) -> None:
+        """The first job to see a core's death sees everyone inside it; a death of an older,
+        already replaced core, or one seen once its replacement began, names no one."""
+        current = death.epoch == getattr(self._engine, "epoch", 0)
+        if self.dead_with is None and current and self._engine_up.is_set():
+            self.dead_with = list(self._in_engine.values())
 
     def _grammar_tokenizer(self) -> tuple[Any, int]:
         return self._engine.grammar_tokenizer()
@@ -234,6 +264,7 @@ class JobRunner:
         request_id = (
             f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
         )
+        await self._engine_up.wait()
         # A suspect waits for the engine to empty and holds it alone (only for its generation:
         # its fetch, decode and retry pauses do not keep the engine idle); others share it.
         async with self._gate.alone() if isolated else self._gate.shared(background):
@@ -252,9 +283,8 @@ class JobRunner:
                     self._metrics.preempted.inc()
                     return None
                 raise
-            except EngineFatal:
-                if self.dead_with is None:  # the first to see the death sees everyone inside
-                    self.dead_with = list(self._in_engine.values())
+            except EngineFatal as death:
+                self._saw_death(death)
                 raise
             finally:
                 self._gate.untrack(call)

@@ -136,6 +136,19 @@ class Metrics:
             registry=r,
         )
         self.output_tokens = Counter("mmworker_output_tokens", "Generated tokens", registry=r)
+        self.engine_restarts = Counter(
+            "mmworker_engine_restarts", "Engine cores started in-process after a death",
+            registry=r,
+        )  # fmt: skip
+        self.engine_restart_seconds = Gauge(
+            "mmworker_engine_restart_seconds", "How long the last in-process engine restart took",
+            registry=r,
+        )  # fmt: skip
+        self.engine_cap = Gauge(
+            "mmworker_engine_jobs_cap",
+            "Most jobs inside the engine at once after load-dependent deaths (0: no cap)",
+            registry=r,
+        )
         self.response_formats = Counter(
             "mmworker_response_formats",
             "Guided jobs' response_format checks: compiled (first of its kind), cached (verdict "

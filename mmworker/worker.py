@@ -65,6 +65,7 @@ T = TypeVar("T")
 #: Refusals of one record (its size): the job is dead-lettered and the partition moves on.
 RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
 #: Refusals of a whole topic: every record would fail the same way, so the worker stops. Any
+from mmworker.recovery import EngineRecovery
 #: other error, retriable or not (kafka-python marks some transient producer errors, such as an
 #: idempotent producer's epoch bump, non-retriable), is retried with backoff.
 TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
@@ -115,8 +116,11 @@ class Worker:
         self._model = model
         self._clients = clients or KafkaClients(cfg.kafka)
         self.tracker = OffsetTracker()
+        recovery: EngineRecovery | None = None,
         self._live: dict[_Key, asyncio.Task[None]] = {}
+        """`recovery`: replace a dead engine in-process; None: stop (exit 3) at its death."""
         #: Most records one poll takes: a partition's share of max_in_flight while several may
+        self._recovery = recovery
         #: have records waiting, and no more than backfill jobs may still take (`_to_pause`).
         self._share = cfg.limits.max_in_flight
         self._backfill_cap = max(1, int(cfg.limits.max_in_flight * cfg.limits.backfill_share))
@@ -222,9 +226,19 @@ class Worker:
                 self._cfg.worker_id, self._model, self._cfg.engine.model_revision,
             )  # fmt: skip
             assert self._suspects is not None
-            deaths = self._suspects.deaths(source)
             self._observe_since(self._metrics.queue_wait_seconds, record.timestamp)
-            outcome = await self._runner.run(record.value, ctx, record.timestamp or 0, deaths)
+            while True:  # again after an engine death, on a new core, with the death counted
+                deaths = self._suspects.deaths(source)
+                try:
+                    outcome = await self._runner.run(
+                        record.value, ctx, record.timestamp or 0, deaths
+                    )
+                    break
+                except EngineFatal as death:
+                    if self._recovery is None or not await self._recovery.recover(
+                        death, self._record_suspects
+                    ):
+                        raise
             try:
                 await self._publish(outcome)
             except PublishRefused as exc:
@@ -528,8 +542,9 @@ class Worker:
         self._publisher.shutdown(wait=False)
 
     async def _record_suspects(self) -> None:
-        """The jobs inside the engine when it died, for whoever runs them next (suspects.py)."""
-        sources = self._runner.dead_with
+        """The jobs inside the engine when it died, for whoever runs them next (suspects.py);
+        once per death: the runner forgets them here."""
+        sources, self._runner.dead_with = self._runner.dead_with, None
         if not sources or self._suspects is None:
             return
         log.error(

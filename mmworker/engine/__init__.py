@@ -8,6 +8,7 @@ vLLM's continuous batching sees every job that is ready, not one at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 from PIL import Image
 
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 #: On CPU, vLLM reads gpu_memory_utilization as a fraction of host RAM and fails at start-up when
 #: that much is not free; an explicit KV budget is what works.
 CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+#: Most seconds a dead engine's processes get to exit, and the driver to release their GPU
+#: memory, before a restart.
+REAP_TIMEOUT_S = 30.0
 
 _PLACEHOLDER = {"image": {"type": "image"}, "video": {"type": "video"}}
 
@@ -99,8 +104,37 @@ class Engine:
         self.busy_s = 0.0
         self._last_progress = time.monotonic()
         self._state = EngineState()
+        #: Engine cores started so far in this process, minus one: a request that saw a death at
+        #: an older epoch is retried, not counted as a new death (`restart`).
+        self.epoch = 0
+        #: The processes vLLM started for the running core, reaped before a restart.
+        self._core_procs: list[psutil.Process] = []
 
     def start(self) -> None:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self._start()
+        self._core_procs = [
+            p for p in psutil.Process().children(recursive=True) if p.pid not in before
+        ]
+
+    def restart(self) -> float:
+        """A new engine core in this process after the old one died: a death then costs an
+        engine start, not a process start (a model load is minutes on a GPU host, and an
+        orchestrator's crash-loop back-off adds more). The dead core's processes are reaped and,
+        on a GPU, the driver must no longer list them as holding memory before the new core
+        sizes its KV cache from what is free. Blocking (call it off the event loop); returns
+        the seconds it took."""
+        t0 = time.monotonic()
+        dead = self._core_procs
+        self.shutdown()
+        _reap(dead, REAP_TIMEOUT_S)
+        _wait_gpu_released({p.pid for p in dead}, REAP_TIMEOUT_S)
+        self._prompts.clear()
+        self.start()
+        self.epoch += 1
+        return time.monotonic() - t0
+
+    def _start(self) -> None:
         engine_process_env()
         if self._cfg.frontend_keep_heap or (
             self._cfg.frontend_keep_heap is None and not _cpu_only()
@@ -249,6 +283,7 @@ class Engine:
 
         kinds = tuple(item.kind for item in items)
         prompt: dict[str, Any] = {
+        epoch = self.epoch
             "prompt": self.prompt_text(instruction, kinds),
             "multi_modal_data": _mm_data(items, self._raw_pixels),
             "multi_modal_uuids": _mm_uuids(items),
@@ -273,7 +308,7 @@ class Engine:
                 final = out
                 self._last_progress = time.monotonic()
         except EngineDeadError as exc:
-            raise EngineFatal(f"engine died: {exc}") from exc
+            raise EngineFatal(f"engine died: {exc}", epoch=epoch) from exc
         except asyncio.CancelledError:
             raise
         except (ValueError, TypeError) as exc:
@@ -354,6 +389,47 @@ class Engine:
 
 def stat_logger(state: EngineState) -> Any:
     """A vLLM stat logger that keeps the scheduler's last report in `state` for the metrics.
+def _reap(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Wait for a dead core's processes to exit (vLLM's shutdown terminates them); kill what is
+    left, so no half-dead process keeps its memory while the new core starts."""
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for proc in alive:
+        log.warning("engine process %d still running after shutdown: killing it", proc.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+
+
+def _wait_gpu_released(pids: set[int], timeout_s: float) -> None:
+    """On a GPU host: wait until the driver lists none of `pids` as holding device memory (a
+    process can be reaped while the driver still frees its allocations). Asks NVML, which vLLM
+    itself depends on, so that this process does not initialise CUDA."""
+    if _cpu_only() or not pids:
+        return
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            holding = set()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid in pids:
+                        holding.add(proc.pid)
+            if not holding:
+                return
+            if time.monotonic() > deadline:
+                raise EngineFatal(
+                    f"the dead engine's processes {sorted(holding)} still hold GPU memory "
+                    f"after {timeout_s:.0f}s: not starting a new engine beside them"
+                )
+            time.sleep(0.2)
+    finally:
+        pynvml.nvmlShutdown()
+
+
     vLLM calls it on the front end's output thread for every batch of engine outputs; it only
     stores numbers (SchedulerStats/IterationStats are not a stable vLLM interface, so each
     field is read with a default)."""

@@ -18,6 +18,7 @@ from mmworker.schemas import Failure, Result, SourceCoords
 from mmworker.schemas.codes import ErrorCode
 
 from mmworker.config import WorkerConfig, load_config
+from mmworker.errors import EngineFatal
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition
@@ -256,8 +257,10 @@ class ScriptedRunner(JobRunner):
     """The real JobRunner's bookkeeping (suspects, gate) with the attempt replaced by `behave`,
     which may sleep, raise, or record who ran at once."""
 
-    def __init__(self, cfg: WorkerConfig, metrics: Metrics, behave: Behaviour) -> None:
-        super().__init__(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
+    def __init__(
+        self, cfg: WorkerConfig, metrics: Metrics, behave: Behaviour, engine: Any = None
+    ) -> None:
+        super().__init__(cfg, engine=engine, media=None, metrics=metrics)  # type: ignore[arg-type]
         self._behave = behave
         self.running: set[str] = set()
         self.max_running = 0
@@ -267,6 +270,7 @@ class ScriptedRunner(JobRunner):
         self, raw: bytes | None, ctx: Context, broker_ts_ms: int, isolated: bool
     ) -> Outcome:
         job_id = json.loads(raw or b"{}")["job_id"]
+        await self._engine_up.wait()
         async with self._gate.alone() if isolated else self._gate.shared():
             return await self._engine_step(job_id, ctx)
 
@@ -277,9 +281,8 @@ class ScriptedRunner(JobRunner):
         self._in_engine[job_id] = ctx.source
         try:
             await self._behave(ctx.source)
-        except Exception as exc:
-            if type(exc).__name__ == "EngineFatal" and self.dead_with is None:
-                self.dead_with = list(self._in_engine.values())
+        except EngineFatal as death:
+            self._saw_death(death)
             raise
         finally:
             self.running.discard(job_id)

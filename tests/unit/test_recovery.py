@@ -1,0 +1,226 @@
+"""Engine recovery: the degrade policy on plain values, and the restart protocol against a
+scripted runner and engine (the real engine's restart: tests/integration/test_worker_faults.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from mmworker.schemas import SourceCoords
+
+from mmworker.config import LimitsConfig
+from mmworker.errors import EngineFatal
+from mmworker.exits import ExitCode
+from mmworker.health import Health
+from mmworker.metrics import Metrics
+from mmworker.offsets import TopicPartition
+from mmworker.recovery import Degrade, EngineRecovery, ProbeReport, after_calm, after_death
+from mmworker.suspects import suspect_key
+from mmworker.worker import Worker
+from tests.unit.loopkit import (
+    INPUT,
+    OUTPUT,
+    Clients,
+    Consumer,
+    Producer,
+    ScriptedRunner,
+    Suspects,
+    config,
+    run_until,
+)
+
+TP = TopicPartition(INPUT, 0)
+
+LIMITS = LimitsConfig(
+    engine_restarts=3, engine_restart_window_s=100.0, engine_recover_after_s=10.0,
+    max_in_flight=64,
+)  # fmt: skip
+
+
+def jobs(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+def test_a_first_death_restarts_without_a_cap() -> None:
+    v = after_death(Degrade(), 0.0, jobs("a", "b"), LIMITS)
+    assert not v.give_up and v.state.cap is None and v.state.deaths == (0.0,)
+
+
+def test_a_second_death_with_other_jobs_inside_halves_what_was_inside() -> None:
+    first = after_death(Degrade(), 0.0, jobs(*"abcdefgh"), LIMITS).state
+    second = after_death(first, 5.0, jobs(*"ijklmnop", "q", "r"), LIMITS)
+    assert not second.give_up and second.state.cap == 5  # 10 inside → 5
+    third = after_death(second.state, 9.0, jobs("s", "t", "u", "v"), LIMITS)
+    assert third.state.cap == 2  # 4 inside → 2, below the cap of 5
+
+
+def test_the_same_job_inside_again_is_the_suspects_business_not_load() -> None:
+    first = after_death(Degrade(), 0.0, jobs("killer", "a", "b"), LIMITS).state
+    second = after_death(first, 5.0, jobs("killer"), LIMITS)
+    assert second.state.cap is None and "same jobs" in second.why
+
+
+def test_deaths_beyond_the_budget_in_the_window_give_up_and_old_ones_expire() -> None:
+    state = Degrade()
+    for t in (0.0, 1.0, 2.0):
+        v = after_death(state, t, jobs(str(t)), LIMITS)
+        assert not v.give_up
+        state = v.state
+    assert after_death(state, 3.0, jobs("x"), LIMITS).give_up  # 4 deaths > 3 in 100 s
+    assert not after_death(state, 150.5, jobs("x"), LIMITS).give_up  # 0, 1 and 2 expired
+
+
+def test_no_restarts_allowed_gives_up_at_the_first_death() -> None:
+    limits = LIMITS.model_copy(update={"engine_restarts": 0})
+    assert after_death(Degrade(), 0.0, jobs("a"), limits).give_up
+
+
+def test_calm_doubles_the_cap_each_interval_until_it_no_longer_binds() -> None:
+    state = Degrade(deaths=(0.0,), cap=12, since=0.0)
+    assert after_calm(state, 9.9, LIMITS) == state  # not calm for long enough yet
+    state = after_calm(state, 10.0, LIMITS)
+    assert state.cap == 24 and state.since == 10.0
+    state = after_calm(state, 20.0, LIMITS)
+    assert state.cap == 48
+    assert after_calm(state, 30.0, LIMITS).cap is None  # 96 ≥ max_in_flight 64
+    assert after_calm(Degrade(), 1e9, LIMITS).cap is None  # nothing to raise
+
+
+class Engine:
+    def __init__(self, fail: bool = False) -> None:
+        self.epoch = 0
+        self.restarts = 0
+        self._fail = fail
+
+    def restart(self) -> float:
+        if self._fail:
+            raise RuntimeError("no memory for a new core")
+        self.restarts += 1
+        self.epoch += 1
+        return 0.01
+
+
+class Runner:
+    def __init__(self, inside: frozenset[str]) -> None:
+        self._inside = inside
+        self.up = True
+        self.cap: int | None = None
+        self.log: list[str] = []
+
+    def inside(self) -> int:
+        return 0
+
+    def dead_inside(self) -> frozenset[str]:
+        return self._inside
+
+    async def set_engine_cap(self, cap: int | None) -> None:
+        self.cap = cap
+
+    def engine_down(self) -> None:
+        self.up = False
+        self.log.append("down")
+
+    def engine_up(self) -> None:
+        self.up = True
+        self.log.append("up")
+
+
+class Report:
+    def __init__(self) -> None:
+        self.states: list[tuple[str, int | None]] = []
+        self.restarts = 0
+
+    def engine_restarted(self, seconds: float) -> None:
+        self.restarts += 1
+
+    def engine_state(self, state: str, cap: int | None) -> None:
+        self.states.append((state, cap))
+
+
+def test_every_job_that_saw_one_death_waits_for_one_restart_after_the_suspects_are_written() -> (
+    None
+):
+    engine, runner, report = Engine(), Runner(jobs("a", "b")), Report()
+    recovery = EngineRecovery(LIMITS, engine, runner, report)
+
+    async def record() -> None:
+        assert not runner.up  # written while no job can reach the engine
+        runner.log.append("suspects")
+
+    async def scenario() -> list[bool]:
+        death = EngineFatal("engine died", epoch=0)
+        return list(await asyncio.gather(*(recovery.recover(death, record) for _ in range(5))))
+
+    assert asyncio.run(scenario()) == [True] * 5
+    assert engine.restarts == 1 and report.restarts == 1
+    assert runner.log == ["down", "suspects", "up"]
+    assert report.states == [("restarting", None), ("up", None)]
+
+
+def test_a_death_seen_late_from_a_replaced_core_restarts_nothing() -> None:
+    engine, runner = Engine(), Runner(jobs("a"))
+    engine.epoch = 1
+    recovery = EngineRecovery(LIMITS, engine, runner, Report())
+
+    async def record() -> None:
+        raise AssertionError("no death to record")
+
+    assert asyncio.run(recovery.recover(EngineFatal("old", epoch=0), record))
+    assert engine.restarts == 0 and runner.log == []
+
+
+def test_a_core_that_cannot_start_again_gives_up_for_good() -> None:
+    engine, runner = Engine(fail=True), Runner(jobs("a"))
+    recovery = EngineRecovery(LIMITS, engine, runner, Report())
+    recorded: list[int] = []
+
+    async def record() -> None:
+        recorded.append(1)
+
+    async def scenario() -> tuple[bool, bool]:
+        first = await recovery.recover(EngineFatal("died", epoch=0), record)
+        second = await recovery.recover(EngineFatal("died", epoch=0), record)
+        return first, second
+
+    assert asyncio.run(scenario()) == (False, False)
+    assert recorded == [1]  # the suspects were written once, before the attempt
+
+
+def test_the_worker_reruns_the_jobs_of_a_dead_engine_on_a_new_core_without_stopping() -> None:
+    """The loop with a scripted engine: the first core dies with three jobs inside; they are
+    recorded as suspects, the core is replaced once, the suspects run alone on it, and every
+    job is answered and committed with the worker still running (no exit code 3)."""
+    consumer = Consumer({0: 6})
+    engine = Engine()
+    inside = asyncio.Event()
+    entered: list[SourceCoords] = []
+
+    async def behave(s: SourceCoords) -> None:
+        if engine.epoch == 0:
+            entered.append(s)
+            if len(entered) == 3:
+                inside.set()
+            await inside.wait()
+            raise EngineFatal("engine died: test", epoch=0)
+        await asyncio.sleep(0)
+
+    cfg = config(max_in_flight=3)
+    metrics = Metrics()
+    runner = ScriptedRunner(cfg, metrics, behave, engine=engine)
+    producer, suspects = Producer(), Suspects()
+    health = Health(cfg.health)
+    recovery = EngineRecovery(cfg.limits, engine, runner, ProbeReport(metrics, health))
+    worker = Worker(cfg, runner, metrics, "tiny", clients=Clients(consumer, producer, suspects),
+                    health=health, recovery=recovery)  # fmt: skip
+
+    code = asyncio.run(run_until(worker, lambda: consumer.committed() == {TP: 6}))
+
+    assert code == ExitCode.OK and engine.restarts == 1
+    (recorded,) = suspects.recorded
+    assert sorted(s.offset for s in recorded) == [s.offset for s in entered] == [0, 1, 2]
+    assert sorted(json.loads(json.dumps(d))["job_id"] for d in producer.on(OUTPUT)) == sorted(
+        f"p0-o{i}" for i in range(6)
+    )
+    assert sorted(suspects.cleared) == sorted(suspect_key(s) for s in recorded)  # ran alone, ok
+    assert metrics.engine_restarts._value.get() == 1
+    assert health.engine_state == "up"
