@@ -86,6 +86,9 @@ class EngineGate:
         #: Most ordinary jobs inside at once after load-dependent engine deaths
         #: (`mmworker.recovery`); None: no cap.
         self._cap: int | None = None
+        #: While a dead engine is replaced nobody enters (`mmworker.recovery`); the wait
+        #: counts in no time limit, as any wait here.
+        self.down = False
 
     @property
     def isolating(self) -> bool:
@@ -100,8 +103,13 @@ class EngineGate:
             self._cap = cap
             self._cond.notify_all()  # a raised or dropped cap lets waiting jobs in
 
+    async def set_down(self, down: bool) -> None:
+        async with self._cond:
+            self.down = down
+            self._cond.notify_all()
+
     def _may_enter(self, background: bool) -> bool:
-        if self.isolating:
+        if self.isolating or self.down:
             return False
         if self._cap is not None and self._inside >= self._cap:
             return False
@@ -171,7 +179,9 @@ class EngineGate:
         try:
             async with self._cond:
                 with _waiting():
-                    await self._cond.wait_for(lambda: self._inside == 0 and not self._alone)
+                    await self._cond.wait_for(
+                        lambda: self._inside == 0 and not self._alone and not self.down
+                    )
                 self._alone = got = True
         finally:
             self._waiting_alone -= 1

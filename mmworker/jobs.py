@@ -74,10 +74,6 @@ class JobRunner:
         #: The jobs that were inside the engine when it died (set once per death, by the first
         #: job to see it; the worker's suspect record forgets it).
         self.dead_with: list[SourceCoords] | None = None
-        #: Clear while a dead engine is being replaced (`mmworker.recovery`): prepared jobs wait
-        #: here instead of meeting the dead engine.
-        self._engine_up = asyncio.Event()
-        self._engine_up.set()
 
     async def check_tasks(self) -> None:
         """Compile the response_format of every task the config adds or changes, once the engine
@@ -105,17 +101,18 @@ class JobRunner:
     async def set_engine_cap(self, cap: int | None) -> None:
         await self._gate.set_cap(cap)
 
-    def engine_down(self) -> None:
-        self._engine_up.clear()
+    async def engine_down(self) -> None:
+        """Prepared jobs wait at the gate instead of meeting the dead engine."""
+        await self._gate.set_down(True)
 
-    def engine_up(self) -> None:
-        self._engine_up.set()
+    async def engine_up(self) -> None:
+        await self._gate.set_down(False)
 
     def _saw_death(self, death: EngineFatal) -> None:
         """The first job to see a core's death sees everyone inside it; a death of an older,
         already replaced core, or one seen once its replacement began, names no one."""
         current = death.epoch == getattr(self._engine, "epoch", 0)
-        if self.dead_with is None and current and self._engine_up.is_set():
+        if self.dead_with is None and current and not self._gate.down:
             self.dead_with = list(self._in_engine.values())
 
     def _grammar_tokenizer(self) -> tuple[Any, int]:
@@ -264,7 +261,6 @@ class JobRunner:
         request_id = (
             f"{job.job_id}@{ctx.source.partition}:{ctx.source.offset}:{time.monotonic_ns()}"
         )
-        await self._engine_up.wait()
         # A suspect waits for the engine to empty and holds it alone (only for its generation:
         # its fetch, decode and retry pauses do not keep the engine idle); others share it.
         async with self._gate.alone() if isolated else self._gate.shared(background):

@@ -109,8 +109,8 @@ class Inside(Protocol):
     def inside(self) -> int: ...
     def dead_inside(self) -> frozenset[str]: ...
     async def set_engine_cap(self, cap: int | None) -> None: ...
-    def engine_down(self) -> None: ...
-    def engine_up(self) -> None: ...
+    async def engine_down(self) -> None: ...
+    async def engine_up(self) -> None: ...
 
 
 class Reporter(Protocol):
@@ -177,7 +177,7 @@ class EngineRecovery:
     async def _replace(
         self, death: EngineFatal, record_suspects: Callable[[], Awaitable[None]]
     ) -> bool:
-        self._runner.engine_down()
+        await self._runner.engine_down()
         self._report.engine_state("restarting", self.state.cap)
         deadline = self._clock() + DRAIN_TIMEOUT_S
         while self._runner.inside() and self._clock() < deadline:
@@ -199,7 +199,7 @@ class EngineRecovery:
             log.error("a new engine core could not start: %s", exc)
             return False
         await self._runner.set_engine_cap(self.state.cap)
-        self._runner.engine_up()
+        await self._runner.engine_up()
         self._report.engine_restarted(took)
         self._report.engine_state("degraded" if self.state.cap else "up", self.state.cap)
         log.warning(

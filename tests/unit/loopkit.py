@@ -270,7 +270,6 @@ class ScriptedRunner(JobRunner):
         self, raw: bytes | None, ctx: Context, broker_ts_ms: int, isolated: bool
     ) -> Outcome:
         job_id = json.loads(raw or b"{}")["job_id"]
-        await self._engine_up.wait()
         async with self._gate.alone() if isolated else self._gate.shared():
             return await self._engine_step(job_id, ctx)
 

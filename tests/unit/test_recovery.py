@@ -116,11 +116,11 @@ class Runner:
     async def set_engine_cap(self, cap: int | None) -> None:
         self.cap = cap
 
-    def engine_down(self) -> None:
+    async def engine_down(self) -> None:
         self.up = False
         self.log.append("down")
 
-    def engine_up(self) -> None:
+    async def engine_up(self) -> None:
         self.up = True
         self.log.append("up")
 
@@ -224,3 +224,32 @@ def test_the_worker_reruns_the_jobs_of_a_dead_engine_on_a_new_core_without_stopp
     assert sorted(suspects.cleared) == sorted(suspect_key(s) for s in recorded)  # ran alone, ok
     assert metrics.engine_restarts._value.get() == 1
     assert health.engine_state == "up"
+
+
+def test_the_gate_holds_jobs_beyond_the_cap_and_everyone_while_the_engine_is_down() -> None:
+    from mmworker.gate import EngineGate
+
+    async def scenario() -> list[str]:
+        gate, order = EngineGate(), []
+        release = asyncio.Event()
+
+        async def job(name: str) -> None:
+            async with gate.shared():
+                order.append(name)
+                await release.wait()
+
+        await gate.set_cap(2)
+        tasks = [asyncio.create_task(job(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.05)
+        assert order == ["a", "b"]  # c waits: two inside is the cap
+        await gate.set_down(True)
+        await gate.set_cap(None)
+        await asyncio.sleep(0.05)
+        assert order == ["a", "b"]  # no cap, but the engine is down
+        await gate.set_down(False)
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["a", "b", "c"]
