@@ -107,7 +107,10 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
         help="let requests stop at EOS (token counts differ)",
     )
     p.add_argument(
-        "--processes", type=int, default=d.processes, help="worker processes (own engine each)"
+        "--processes",
+        type=int,
+        default=d.processes,
+        help="worker processes (own engine each); default: the worker's own choice for this host",
     )
     p.add_argument(
         "--raw-engines",

@@ -33,8 +33,9 @@ class Options:
     video_fps: int = 24
     video_size: int = 448
     ignore_eos: bool = True
-    #: Worker processes (`processes` setting): each its own engine, one consumer group.
-    processes: int = 1
+    #: Worker processes (`processes` setting): each its own engine, one consumer group; None:
+    #: the worker's own choice for this host (one without a GPU: 1).
+    processes: int | None = None
     #: Plain `LLM` engines sharing the GPU in the "raw ×N engines" peer; None: `processes` when
     #: above 1 (the fair bar for N worker processes), else none; 0: none.
     raw_engines: int | None = None

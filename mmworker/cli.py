@@ -332,7 +332,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
         print(render_reference())
         return 0
-    print(json.dumps(_load(args).masked(), indent=2))
+    cfg = _load(args)
+    print(json.dumps(cfg.masked(), indent=2))
+    from mmworker import fast_defaults, hardware
+
+    # Beside the JSON, not in it: stdout stays a config a script can read.
+    hw = hardware.probe()
+    print(f"# this host: {hw.describe()}", file=sys.stderr)
+    for name, value, why in fast_defaults.explain(cfg, hw):
+        print(f"# {name} = {json.dumps(value)} ({why})", file=sys.stderr)
     return 0
 
 

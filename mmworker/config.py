@@ -34,6 +34,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from mmworker import fast_defaults, hardware
 from mmworker.errors import ConfigError
 from mmworker.preprocess.params import FetchPolicy, ImageParams, VideoParams
 from mmworker.schemas.job import TASK_NAME_PATTERN, ResponseFormat
@@ -203,10 +204,25 @@ class EngineConfig(_Section):
     data_parallel_size: int = Field(
         1, ge=1, description="Model replicas inside this worker, fed by vLLM"
     )
-    quantization: str | None = Field(None, description="e.g. awq, gptq, fp8")
+    quantization: str | None = Field(
+        None,
+        description="e.g. awq, gptq, fp8. The throughput switch: fp8 quantizes the weights (and "
+        "activations, on Hopper) of a bf16 checkpoint at load, which frees memory for the KV "
+        "cache and speeds the matmuls but changes the model's numerics, so it is never chosen "
+        "for you; unset: the checkpoint's own weights",
+    )
     dtype: str = Field("auto", description="auto, bfloat16, float16, float32")
     enforce_eager: bool | None = Field(
         None, description="Skip CUDA graphs / torch.compile; unset: on for CPU, off for GPU"
+    )
+    compile_vision_encoder: bool = Field(
+        default_factory=lambda data: (
+            fast_defaults.compile_vision_encoder(hardware.probe(), data.get("enforce_eager")).value
+        ),
+        description="torch.compile the vision encoder too (vLLM's compilation_config "
+        "compile_mm_encoder; vLLM compiles only the language model by default): same numerics, "
+        "a longer first start-up",
+        json_schema_extra={"default_doc": "auto: on with a GPU unless enforce_eager, off on CPU"},
     )
     kv_cache_memory_bytes: int | None = Field(
         None,
@@ -422,7 +438,13 @@ class CacheConfig(_Section):
 
 class LimitsConfig(_Section):
     max_in_flight: int = Field(
-        256, ge=1, description="Jobs held at once; partitions pause above it (bounded memory)"
+        default_factory=lambda: fast_defaults.max_in_flight(hardware.probe()).value,
+        ge=1,
+        description="Jobs held at once (per worker process); partitions pause above it (bounded "
+        "memory)",
+        json_schema_extra={
+            "default_doc": "auto: 1024 on a GPU of 70 GiB or more (vLLM's batch there), else 256"
+        },
     )
     max_attempts: int = Field(3, ge=1, description="Tries for retryable failures")
     retry_backoff_s: float = Field(0.5, ge=0, description="First retry delay; doubles each try")
@@ -440,6 +462,23 @@ class LimitsConfig(_Section):
         ge=1,
         description="Engine deaths a job may be inside before it is dead-lettered as "
         "engine_crash instead of run again",
+    )
+    engine_restarts: int = Field(
+        5,
+        ge=0,
+        description="Engine deaths within engine_restart_window_s after which the worker starts "
+        "a new engine core in its own process (seconds, not a process restart); one more and "
+        "it exits with code 3 for its orchestrator. 0: exit at the first death",
+    )
+    engine_restart_window_s: float = Field(
+        600.0, gt=0, description="The window engine_restarts counts deaths in"
+    )
+    engine_recover_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="After deaths with different jobs inside (load, not one job), the jobs "
+        "inside the engine are capped at half of those inside at the death; each this many "
+        "seconds without a death doubles the cap, until it no longer binds",
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
     backfill_share: float = Field(
@@ -463,23 +502,6 @@ class LimitsConfig(_Section):
 class HealthConfig(_Section):
     """What /livez calls wedged. Both deadlines are far above normal stalls: a failed liveness
     probe restarts the pod, which costs a model load."""
-    engine_restarts: int = Field(
-        5,
-        ge=0,
-        description="Engine deaths within engine_restart_window_s after which the worker starts "
-        "a new engine core in its own process (seconds, not a process restart); one more and "
-        "it exits with code 3 for its orchestrator. 0: exit at the first death",
-    )
-    engine_restart_window_s: float = Field(
-        600.0, gt=0, description="The window engine_restarts counts deaths in"
-    )
-    engine_recover_after_s: float = Field(
-        60.0,
-        gt=0,
-        description="After deaths with different jobs inside (load, not one job), the jobs "
-        "inside the engine are capped at half of those inside at the death; each this many "
-        "seconds without a death doubles the cap, until it no longer binds",
-    )
 
     loop_deadline_s: float = Field(
         10.0,
@@ -595,12 +617,15 @@ class WorkerConfig(BaseSettings):
         "series, labelled worker_process) and process i listens on port + 1 + i",
     )
     processes: int = Field(
-        1,
+        default_factory=lambda data: _auto_processes(data.get("engine")),
         ge=1,
         le=64,
         description="Worker processes on this host, each a group member with its own engine; "
         "they split gpu_memory_utilization and the default preprocess.workers. >1 when one "
         "process's vLLM input processing (a single Python thread) can't keep the GPU busy",
+        json_schema_extra={
+            "default_doc": "auto: 2 on one GPU of 70 GiB or more with 8 or more cores, else 1"
+        },
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO",
@@ -649,6 +674,18 @@ class WorkerConfig(BaseSettings):
     def masked(self) -> dict[str, Any]:
         """The effective config as JSON-ready data, secrets shown as '**********'."""
         return self.model_dump(mode="json")
+
+
+def _auto_processes(engine: EngineConfig | None) -> int:
+    """`processes` left unset: from the hardware (`mmworker.fast_defaults.processes`)."""
+    parallel = (
+        fast_defaults.gpus_per_model(
+            engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.data_parallel_size
+        )
+        if engine is not None
+        else 1
+    )
+    return int(fast_defaults.processes(hardware.probe(), parallel).value)
 
 
 def load_config(toml_file: Path | None = None, **overrides: Any) -> WorkerConfig:

@@ -346,7 +346,10 @@ def summarise(n: int, kind: str, done: list[dict[str, Any]], latencies: bool) ->
 def count_for(opts: Options) -> int:
     """Engines of this peer for an e2e run: `--raw-engines`, else as many as worker processes."""
     if opts.raw_engines is None:
-        return opts.processes if opts.processes > 1 else 0
+        from bench.peers.worker import processes_for
+
+        processes = processes_for(opts)
+        return processes if processes > 1 else 0
     return max(0, opts.raw_engines)
 
 

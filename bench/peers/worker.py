@@ -45,19 +45,43 @@ def worker_args(
         "engine.load_format": opts.load_format,
         "engine.max_model_len": opts.max_model_len,
         "preprocess.allowed_roots": [str(p) for p in allowed],
-        "preprocess.workers": max(1, opts.preprocess_workers // opts.processes),
         "metrics_port": port,
-        "processes": opts.processes,
     }
+    if opts.processes is not None:  # else the worker chooses (its `processes` default)
+        extra["processes"] = opts.processes
+    sets: dict[str, object] = {}
     for item in opts.sets:
         key, _, raw = item.partition("=")
         try:
-            extra[key.strip()] = json.loads(raw)
+            sets[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
-            extra[key.strip()] = raw
-    cmd = worker_command(bootstrap, work, topics, group, extra)
-    assert cmd[1:3] == ["-m", "mmworker"], cmd[:3]
-    return [*cmd[3:], "--model", model_path]
+            sets[key.strip()] = raw
+
+    def args(extra: dict[str, object]) -> list[str]:
+        cmd = worker_command(bootstrap, work, topics, group, extra)
+        assert cmd[1:3] == ["-m", "mmworker"], cmd[:3]
+        return [*cmd[3:], "--model", model_path]
+
+    # The pool is per host, split over the processes (the demo settings' own value is 1).
+    n = opts.processes or chosen_processes(args({**extra, **sets}))
+    extra["preprocess.workers"] = max(1, opts.preprocess_workers // n)
+    return args({**extra, **sets})
+
+
+def chosen_processes(args: list[str]) -> int:
+    """The processes `mmworker run ARGS` runs on this host: its own choice where the bench sets
+    none (read the same way the worker reads it, through its config)."""
+    from bench.peers.raw import load_worker_config
+
+    return int(load_worker_config(args).processes)
+
+
+def processes_for(opts: Options) -> int:
+    """Worker processes of a run: `--processes`, else what the worker chooses on this host."""
+    if opts.processes is not None:
+        return opts.processes
+    unused = {"input": "unused", "output": "unused", "dlq": "unused"}
+    return chosen_processes(worker_args(opts, "127.0.0.1:9092", OUT, unused, "probe", "m", 0, []))
 
 
 class WorkerRun:
@@ -185,9 +209,10 @@ def worker_pass(
         args += ["--cache-dir", str(work / f"features-{name}")]
     if profiling or name.startswith("cold"):  # cold means an empty feature cache
         shutil.rmtree(work / ("features-" + name if profiling else "features"), ignore_errors=True)
+    processes = chosen_processes(args)
     worker = WorkerRun(args, work / f"worker-{name}.log", child_env(opts))
     spy = profiling or opts.profile_measured
-    out: dict[str, Any] = {"topics": topics, "log": str(worker.log_path)}
+    out: dict[str, Any] = {"topics": topics, "log": str(worker.log_path), "processes": processes}
     try:
         ready = worker.wait_ready(opts.timeout_s)
         out["startup_s"] = round(ready - worker.started, 2)
@@ -198,19 +223,19 @@ def worker_pass(
                 worker.profile_start(profile_path(name, "image"), opts.profile_measured)
             reader.wait_for(ids, opts.timeout_s, worker.alive)
             worker.profile_stop()
-            after = scrape(port, opts.processes)
+            after = scrape(port, processes)
             out["image"] = summarise_worker(name, "image", reader, ids, ready, {}, after)
             print(f"[{name}] images: {out['image']['jobs_per_s']:.2f} jobs/s", flush=True)
         if vid_jobs:
             reader.pump(50)
             if spy:
                 worker.profile_start(profile_path(name, "video"), opts.profile_measured)
-            before, posted_at = scrape(port, opts.processes), time.time()
+            before, posted_at = scrape(port, processes), time.time()
             post(bootstrap, topics["input"], vid_jobs)
             ids = {k for k, _ in vid_jobs}
             reader.wait_for(ids, opts.timeout_s, worker.alive)
             worker.profile_stop()
-            after = scrape(port, opts.processes)
+            after = scrape(port, processes)
             out["video"] = summarise_worker(name, "video", reader, ids, posted_at, before, after)
             print(f"[{name}] videos: {out['video']['jobs_per_s']:.2f} jobs/s", flush=True)
     finally:

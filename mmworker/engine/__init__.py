@@ -238,6 +238,8 @@ class Engine:
             kwargs["use_tqdm_on_load"] = False
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(cfg.extra)
+        if cfg.compile_vision_encoder and not _cpu_only() and not kwargs.get("enforce_eager"):
+            kwargs["compilation_config"] = compile_encoder(kwargs.get("compilation_config"))
         return kwargs
 
     @property
@@ -281,9 +283,9 @@ class Engine:
         from vllm import SamplingParams
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        epoch = self.epoch
         kinds = tuple(item.kind for item in items)
         prompt: dict[str, Any] = {
-        epoch = self.epoch
             "prompt": self.prompt_text(instruction, kinds),
             "multi_modal_data": _mm_data(items, self._raw_pixels),
             "multi_modal_uuids": _mm_uuids(items),
@@ -387,8 +389,6 @@ class Engine:
             llm.shutdown()
 
 
-def stat_logger(state: EngineState) -> Any:
-    """A vLLM stat logger that keeps the scheduler's last report in `state` for the metrics.
 def _reap(procs: list[psutil.Process], timeout_s: float) -> None:
     """Wait for a dead core's processes to exit (vLLM's shutdown terminates them); kill what is
     left, so no half-dead process keeps its memory while the new core starts."""
@@ -430,6 +430,8 @@ def _wait_gpu_released(pids: set[int], timeout_s: float) -> None:
         pynvml.nvmlShutdown()
 
 
+def stat_logger(state: EngineState) -> Any:
+    """A vLLM stat logger that keeps the scheduler's last report in `state` for the metrics.
     vLLM calls it on the front end's output thread for every batch of engine outputs; it only
     stores numbers (SchedulerStats/IterationStats are not a stable vLLM interface, so each
     field is read with a default)."""
@@ -492,6 +494,17 @@ def core_threads_env(cfg: EngineConfig) -> Callable[[], None]:
     """`engine.core_threads` for the engine core about to be started; call the result once it
     has (see `frontend.core_threads`)."""
     return frontend.core_threads(cfg.core_threads, _cpu_only())
+
+
+def compile_encoder(compilation_config: Any) -> Any:
+    """`engine.compile_vision_encoder` merged into a compilation_config from `engine.extra`: the
+    user's keys win, a compile_mm_encoder of their own included; a config that is not a table
+    (vLLM also takes a bare optimisation level) is left as given."""
+    if compilation_config is None:
+        return {"compile_mm_encoder": True}
+    if isinstance(compilation_config, dict):
+        return {"compile_mm_encoder": True, **compilation_config}
+    return compilation_config
 
 
 @lru_cache(maxsize=1)

@@ -163,3 +163,52 @@ def test_incomplete_sasl_names_the_missing_variables() -> None:
         "(MMWORKER_KAFKA__SASL_PASSWORD) with security_protocol SASL_SSL: set them in the "
         "environment or the config file"
     ) in str(err.value)
+
+
+def test_unset_fast_path_settings_follow_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left unset, processes, the compiled encoder and max_in_flight are chosen from the host
+    once at load; a host without a GPU gets exactly the old fixed defaults."""
+    from mmworker import hardware
+    from mmworker.hardware import GIB, Hardware
+
+    cpu = Hardware(gpu_name=None, gpu_memory_bytes=0, gpus=0, cores=2)
+    h200 = Hardware(gpu_name="NVIDIA H200", gpu_memory_bytes=140 * GIB, gpus=1, cores=16)
+    monkeypatch.setattr(hardware, "probe", lambda: cpu)
+    on_cpu = load_config()
+    assert (on_cpu.processes, on_cpu.engine.compile_vision_encoder) == (1, False)
+    assert on_cpu.limits.max_in_flight == 256
+    monkeypatch.setattr(hardware, "probe", lambda: h200)
+    on_gpu = load_config()
+    assert (on_gpu.processes, on_gpu.engine.compile_vision_encoder) == (2, True)
+    assert on_gpu.limits.max_in_flight == 1024
+    # An explicit value wins over the hardware, and a model over two GPUs keeps one process.
+    mine = load_config(
+        processes=1, engine={"compile_vision_encoder": False}, limits={"max_in_flight": 64}
+    )
+    assert (mine.processes, mine.engine.compile_vision_encoder) == (1, False)
+    assert mine.limits.max_in_flight == 64
+    assert load_config(engine={"tensor_parallel_size": 2}).processes == 1
+    assert load_config(engine={"enforce_eager": True}).engine.compile_vision_encoder is False
+    monkeypatch.setenv("MMWORKER_PROCESSES", "3")
+    assert load_config().processes == 3
+
+
+def test_config_command_says_what_the_hardware_chose_and_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from mmworker import hardware
+    from mmworker.cli import main
+    from mmworker.hardware import GIB, Hardware
+
+    h200 = Hardware(gpu_name="NVIDIA H200", gpu_memory_bytes=140 * GIB, gpus=1, cores=16)
+    monkeypatch.setattr(hardware, "probe", lambda: h200)
+    assert main(["config", "--max-in-flight", "512"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["processes"] == 2  # stdout stays one JSON document
+    why = captured.err.splitlines()
+    assert why[0] == "# this host: NVIDIA H200 (140 GiB), 16 cores"
+    assert why[1].startswith("# processes = 2 (auto: NVIDIA H200 (140 GiB), 16 cores: one vLLM")
+    assert why[2].startswith("# engine.compile_vision_encoder = true (auto: ")
+    assert why[3] == "# limits.max_in_flight = 512 (set)"

@@ -46,3 +46,23 @@ def test_an_explicit_pool_size_is_per_process_and_no_port_stays_off() -> None:
 )
 def test_exit_codes_combine(codes: list[int | None], want: int) -> None:
     assert combined_exit_code(codes) == want
+
+
+def test_the_processes_the_hardware_chose_split_the_host_like_set_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two processes chosen for a large GPU halve its memory and the pool; the jobs each holds
+    (max_in_flight, also chosen for that GPU) are per process, as with a set `processes`."""
+    from mmworker import hardware
+    from mmworker.hardware import GIB, Hardware
+
+    big = Hardware(gpu_name="NVIDIA H200", gpu_memory_bytes=140 * GIB, gpus=1, cores=16)
+    monkeypatch.setattr(hardware, "probe", lambda: big)
+    cfg = load_config(engine={"gpu_memory_utilization": 0.92})
+    assert cfg.processes == 2
+    child = child_config(cfg, 1)
+    assert child.processes == 1
+    assert child.engine.gpu_memory_utilization == pytest.approx(0.46)
+    assert child.engine.compile_vision_encoder is True
+    assert child.limits.max_in_flight == 1024
+    assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
