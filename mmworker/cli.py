@@ -404,6 +404,18 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return tail(args, cfg)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from mmworker.replay import parse_when
+    from mmworker.status import run_status
+
+    cfg = _load(args)
+    parse_when(args.since)  # a mistake first, before the brokers are reached
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"-w {args.watch}: refresh every so many seconds, more than 0")
+    _check_brokers(cfg, args)
+    return run_status(cfg, as_json=args.json, watch_s=args.watch, since=args.since)
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from mmworker.devkit.broker import run_broker
 
@@ -568,6 +580,23 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="raw JSON lines instead of a summary")
     p.set_defaults(fn=cmd_tail)
+
+    p = command(
+        "status",
+        "is anyone consuming: the group's members, lag per partition, the oldest waiting job, "
+        "recent dead letters and suspects",
+    )
+    _connection_args(p, ("--group-id", "--input-topic", "--dead-letter-topic"))
+    p.add_argument("--json", action="store_true", help="one JSON object (a line per refresh)")
+    p.add_argument(
+        "-w", "--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+        help="refresh every SECONDS (2 if not given) until Ctrl-C",
+    )  # fmt: skip
+    p.add_argument(
+        "--since", default="1h", metavar="WHEN",
+        help="count dead letters and suspects from then on: an age (30m, 2h, 7d) or ISO 8601",
+    )  # fmt: skip
+    p.set_defaults(fn=cmd_status)
 
     p = command("broker", "an in-memory Kafka-protocol broker on 127.0.0.1, until Ctrl-C (dev)")
     p.add_argument("--port", type=int, default=9092, help="port on 127.0.0.1")
