@@ -15,6 +15,7 @@ of the pinned 3.0.12 release), hence all of it here, in one place.
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from dataclasses import dataclass
@@ -25,7 +26,10 @@ from kafka.errors import for_code as kafka_error
 from kafka.protocol.admin import DescribeGroupsRequest
 from kafka.protocol.consumer.metadata import ConsumerProtocolAssignment
 
+from mmworker.config import KafkaConfig
 from mmworker.errors import WorkerError
+
+log = logging.getLogger(__name__)
 
 #: Kafka member ids are the client id, a dash and a UUID (Apache Kafka and Tansu alike).
 _MEMBER_UUID = re.compile(r"-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -98,3 +102,27 @@ def _assigned(raw: bytes) -> tuple[tuple[str, int], ...] | None:
     except (struct.error, ValueError):
         return None  # not the consumer protocol's encoding: nothing to show
     return tuple(sorted((tp.topic, tp.partition) for tp in assignment.partitions()))
+
+
+def idle_group_warning(cfg: KafkaConfig, timeout_s: float = 5.0) -> str | None:
+    """One line for `submit` and `backfill` when the worker group has no live member: their
+    jobs would wait, unseen, until a worker runs (issue #35). None when members are there, and
+    also when the brokers cannot say within `timeout_s`: this is advice, the command goes on."""
+    try:
+        admin = KafkaAdminClient(**cfg.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
+    except KafkaError as exc:
+        log.debug("no group check: %r", exc)
+        return None
+    try:
+        described = describe_members(admin, cfg.group_id)
+    except GroupQueryError as exc:
+        log.debug("no group check: %s", exc)
+        return None
+    finally:
+        admin.close()
+    if described.members:
+        return None
+    return (
+        f"warning: no worker is consuming group {cfg.group_id!r} on {cfg.bootstrap_servers}: the "
+        "jobs wait until one runs (`mmworker status` shows the group)"
+    )
