@@ -20,7 +20,8 @@ class ExitCode(IntEnum):
     START_FAILED = 1
     #: Configuration or usage error, found before any job was taken.
     USAGE = 2
-    #: The engine died; nothing further was committed and the jobs inside it are suspects.
+    #: The engine died more often than `limits.engine_restarts` allows in its window, or a new
+    #: core could not start; nothing further was committed and the jobs inside it are suspects.
     ENGINE_DEAD = 3
     #: The broker refuses our records for a whole topic (authorization, invalid name).
     PUBLISH_REFUSED = 4

@@ -11,12 +11,20 @@ import uuid
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 from mmworker.schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.samples import sample_image
-from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    is_engine_core,
+    make_topics,
+    post,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +88,49 @@ def test_load_that_kills_the_engine_is_survived_in_process_and_nothing_is_lost(
             f"in-process (restart seconds {restarts}); jobs inside after each: {caps}; "
             f"outcomes {outcomes}, duplicates {duplicates}; {JOBS / seeded_s:.1f} jobs/s against "
             f"{JOBS / plain_s:.1f} unseeded ({plain_s / seeded_s:.0%})"
+        )
+    finally:
+        worker.__exit__(None, None, None)
+        collector.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_sigkilled_engine_core_is_replaced_in_process_and_nothing_is_lost(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """SIGKILL of vLLM's engine-core process in the middle of a stream (what the kernel's OOM
+    killer or a crashing CUDA kernel does): the worker process stays, a new core answers the
+    jobs that were inside the dead one (run alone first, as suspects) and the rest."""
+    topics = make_topics(broker.bootstrap, "kill")
+    group = f"kill-{uuid.uuid4().hex[:6]}"
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    worker = WorkerProcess(broker.bootstrap, tmp_path, topics, group, {"limits.max_in_flight": 32})
+    try:
+        worker.__enter__()
+        jobs = _jobs("k", seeded=False)[:200]
+        post(broker.bootstrap, topics["input"], jobs, Posted())
+        deadline = time.monotonic() + 300
+        while len(collector.by_job) < 40 and time.monotonic() < deadline:
+            collector.pump(200)
+        assert worker.proc is not None
+        (core,) = [p for p in psutil.Process(worker.proc.pid).children(recursive=True)
+                   if is_engine_core(p)]  # fmt: skip
+        answered_before = len(collector.by_job)
+        core.kill()
+        killed_at = time.time()
+        collector.wait_for({job_id for job_id, _ in jobs}, 300, worker)
+
+        assert worker.proc.poll() is None, worker.log()
+        log = worker.log_path.read_text(errors="replace")
+        assert log.count("engine restarted in") == 1, log[-6000:]
+        for job_id, _ in jobs:
+            (topic, _doc), *_ = collector.by_job[job_id]
+            assert topic == topics["output"], (job_id, _doc)
+        after = [ts for job_id, ts in collector.first_ts_ms.items() if ts / 1000 > killed_at]
+        print(
+            f"\nengine core SIGKILLed after {answered_before} answers: next answer "
+            f"{min(after) / 1000 - killed_at:.1f}s later (in-process restart), "
+            f"{len(collector.by_job)} of {len(jobs)} answered, the worker still running"
         )
     finally:
         worker.__exit__(None, None, None)
