@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 
 from mmworker import __version__, logs
@@ -404,8 +405,8 @@ def test_broker_refuses_a_port_in_use_in_one_line(capsys: pytest.CaptureFixture[
         port = taken.getsockname()[1]
         assert main(["broker", "--port", str(port)]) == 2
     assert capsys.readouterr().err == (
-        f"mmworker: cannot listen on 127.0.0.1:{port} (Address already in use): another broker "
-        "may be running there; stop it or pick another port with --port\n"
+        f"mmworker: cannot listen on 127.0.0.1:{port}: pid {os.getpid()} "
+        f"({psutil.Process().name()}) listens there; stop it or pick another port with --port\n"
     )
 
 
