@@ -38,6 +38,7 @@ from mmworker import fast_defaults, hardware
 from mmworker.errors import ConfigError
 from mmworker.preprocess.params import FetchPolicy, ImageParams, VideoParams
 from mmworker.schemas.job import TASK_NAME_PATTERN, ResponseFormat
+from mmworker.schemas.segments import SegmentSpec
 from mmworker.task_defaults import DEFAULT_TASKS
 
 _TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=None)
@@ -573,6 +574,11 @@ class TaskConfig(_Section):
         le=8192,
         description="generation.max_tokens for jobs that do not set it (a JSON answer cut short "
         "is incomplete_output)",
+    )
+    segments: SegmentSpec | None = Field(
+        None,
+        description="Segment mode for the task's video jobs that set none (a backfill asks for "
+        "it once); a job's own `segments` wins",
     )
 
     @field_validator("prompt")

@@ -51,6 +51,8 @@ def plan_job(job: Job, tasks: Mapping[str, TaskConfig]) -> tuple[Job, Plan]:
             raise UnknownTask(
                 f"task {job.task!r} is not one of this worker's tasks: {', '.join(sorted(tasks))}"
             )
+    if task is not None and task.segments is not None and job.segments is None:
+        job = job.model_copy(update={"segments": task.segments})
     fmt = job.response_format or (task.response_format if task else None)
     generation = job.generation
     if task is not None and task.max_tokens and "max_tokens" not in generation.model_fields_set:

@@ -23,6 +23,7 @@ from mmworker.schemas.job import (
 )
 from mmworker.schemas.parse import parse_job
 from mmworker.schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
+from mmworker.schemas.segments import SegmentError, SegmentResult, SegmentSpec, SummarySpec
 from mmworker.schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 __all__ = [
@@ -48,7 +49,11 @@ __all__ = [
     "ResponseFormat",
     "Result",
     "SchemaError",
+    "SegmentError",
+    "SegmentResult",
+    "SegmentSpec",
     "SourceCoords",
+    "SummarySpec",
     "Timings",
     "UnsupportedVersion",
     "Usage",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, TypeAlias
 
+from mmworker.schemas.segments import SegmentSpec
 from mmworker.schemas.version import SCHEMA_VERSION, VERSION_PATTERN
 from pydantic import (
     AfterValidator,
@@ -183,6 +184,18 @@ class Job(_Frozen):
     reply_topic: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,249}$")] | None = (
         Field(default=None, description="Publish the result here instead of the output topic")
     )
+    #: Added in 1.5.
+    segments: SegmentSpec | None = Field(
+        default=None,
+        description="Caption a video as timed segments (and optionally summarise them) instead "
+        "of once; the job's one media item must be a video. Since 1.5",
+    )
+
+    @model_validator(mode="after")
+    def _one_video_for_segments(self) -> Job:
+        if self.segments is not None and len(self.media) != 1:
+            raise ValueError("a job with segments takes exactly one media item (a video)")
+        return self
 
     def instruction(self, kinds: list[str]) -> str:
         """The prompt to use once the media kinds are known (sniffed, not declared), for a job

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from mmworker.schemas.job import MediaKind
+from mmworker.schemas.segments import SegmentResult
 from mmworker.schemas.version import SCHEMA_VERSION
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
@@ -110,3 +111,17 @@ class Result(_Out):
     worker_id: str
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=_now)
+    #: Added in 1.5.
+    segments: list[SegmentResult] | None = Field(
+        default=None,
+        description="Segment mode: one entry per segment, in video order; `text` is then the "
+        "summary when one was asked for, else the timed captions one per line",
+    )
+    #: Added in 1.5.
+    summary: str | None = Field(default=None, description="Segment mode: the summary, if asked")
+    #: Added in 1.5.
+    segments_cut: str | None = Field(
+        default=None,
+        description="Segment mode: why the video's end has no segments (max_segments reached), "
+        "with the time it stops at",
+    )
