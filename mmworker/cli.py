@@ -222,6 +222,14 @@ def _load(args: argparse.Namespace) -> Any:
     return load_config(args.config, **overrides_from(args))
 
 
+def _load_for_client(args: argparse.Namespace) -> Any:
+    """The configuration of a command that talks to Kafka for a person: it reports lost brokers
+    and refusals itself, so kafka-python's per-attempt lines are off unless asked for."""
+    cfg = _load(args)
+    logs.quiet_kafka_for_clients(cfg.log_level, asked=getattr(args, "debug", False))
+    return cfg
+
+
 def check_model(model: str, source: str) -> None:
     """Find out in a second what the engine would find out after its start-up (a 63-line
     traceback): a local model directory that is not there, or a Hub model that cannot be had."""
@@ -364,7 +372,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from mmworker.tools import check_sampling, submit
 
-    cfg = _load(args)
+    cfg = _load_for_client(args)
     check_sampling(args)
     _check_brokers(cfg, args)
     return submit(args, cfg)
@@ -374,7 +382,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     from mmworker.backfill import backfill, manifest_kind, output_format
     from mmworker.tools import check_sampling
 
-    cfg = _load(args)
+    cfg = _load_for_client(args)
     check_sampling(args)
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
@@ -387,7 +395,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
 def cmd_replay(args: argparse.Namespace) -> int:
     from mmworker.replay import parse_codes, parse_when, replay
 
-    cfg = _load(args)
+    cfg = _load_for_client(args)
     parse_codes(args.code)  # mistakes first, before the brokers are reached
     for when in (args.since, args.until):
         if when:
@@ -399,7 +407,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from mmworker.tools import tail
 
-    cfg = _load(args)
+    cfg = _load_for_client(args)
     _check_brokers(cfg, args)
     return tail(args, cfg)
 

@@ -174,6 +174,15 @@ def _library_loggers(level: str) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def quiet_kafka_for_clients(level: str, asked: bool) -> None:
+    """The commands a person runs against Kafka (`submit`, `tail`, `backfill`, `replay`) say
+    themselves that the brokers are lost or refuse a job, in one line; kafka-python's own
+    ERROR/WARNING per failed attempt (47 lines in 30 s of a lost broker) is then only noise, so
+    it is off unless asked for (`--debug`, or `log_level` DEBUG): then at `library_level`."""
+    shown = asked or level == "DEBUG"
+    logging.getLogger("kafka").setLevel(library_level(level) if shown else logging.CRITICAL + 1)
+
+
 def quiet_libraries(level: str, fmt: LogFormat = "text") -> None:
     """Carry the policy to the processes vLLM (and the preprocessing pool) will start, through
     the environment they inherit. Must run before vLLM is imported and its engine built."""

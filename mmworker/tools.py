@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from mmworker.client import Client
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
@@ -219,38 +220,32 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
 
 
 def tail(args: argparse.Namespace, cfg: WorkerConfig) -> int:
-    """Print what arrives; stops after `--timeout` idle, or at Ctrl-C with `--follow`."""
+    """Print what arrives; stops after `--timeout` idle, or at Ctrl-C with `--follow`. Brokers
+    that go away and come back are said so in one line each, and reading goes on."""
     topics = args.topics or [cfg.kafka.output_topic, cfg.kafka.dead_letter_topic]
-    consumer = KafkaConsumer(
-        *topics,
-        auto_offset_reset="latest" if args.from_now else "earliest",
-        enable_auto_commit=False,
-        group_id=None,
-        # kafka-python compares this with elapsed time: "forever" is infinity, not None.
-        consumer_timeout_ms=float("inf") if args.follow else int(args.timeout * 1000),
-        fetch_max_bytes=cfg.kafka.fetch_max_bytes,
-        max_partition_fetch_bytes=cfg.kafka.max_partition_fetch_bytes,
-        **cfg.kafka.client_kwargs(),
-    )
+    client = Client(cfg, on_event=lambda message: _say("tail", message))
     seen = 0
     started = time.monotonic()
     try:
-        missing = sorted(set(topics) - set(consumer.topics()))
+        missing = client.missing_topics(topics)
         if missing:
-            print(
-                f"mmworker tail: no topic {', '.join(missing)} on the brokers yet (a worker "
-                "creates its topics with --create-topics N)",
-                file=sys.stderr,
+            _say(
+                "tail",
+                f"no topic {', '.join(missing)} on the brokers yet (a worker creates its topics "
+                "with --create-topics N)",
             )
-        for record in consumer:
+        idle = None if args.follow else args.timeout
+        for record in client.records(topics, idle_timeout_s=idle, from_now=args.from_now):
             seen += 1
             print(_line(record, args.json), flush=True)
     except Interrupted:
         pass  # Ctrl-C is how --follow ends
-    finally:
-        consumer.close()
     print(f"{seen} records in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
+
+
+def _say(command: str, message: str) -> None:
+    print(f"mmworker {command}: {message}", file=sys.stderr, flush=True)
 
 
 def _line(record: Any, raw: bool) -> str:
