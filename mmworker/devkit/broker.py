@@ -20,8 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from mmworker.errors import WorkerError
+
+if TYPE_CHECKING:
+    from mmworker.devkit.object_store import ObjectStore
 
 
 class BrokerError(WorkerError):
@@ -93,7 +97,16 @@ def _listener_on(port: int) -> str | None:
 class EmbeddedBroker:
     """Start on enter, SIGTERM on exit; `bootstrap` is the address to hand to clients."""
 
-    def __init__(self, port: int | None = None, start_timeout_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        start_timeout_s: float = 15.0,
+        store: ObjectStore | None = None,
+    ) -> None:
+        """`store`: keep topics, records and committed offsets in a local S3 server
+        (`devkit.object_store`), so a broker stopped and started again on the same port finds
+        them; None: in memory, gone when the broker stops."""
+        self._store = store
         self.port = port or free_port()
         self.bootstrap = f"127.0.0.1:{self.port}"
         self._start_timeout_s = start_timeout_s
@@ -117,10 +130,12 @@ class EmbeddedBroker:
         if not os.access(binary, os.X_OK):
             binary.chmod(binary.stat().st_mode | 0o111)
         self._log_start = os.fstat(self._log.fileno()).st_size  # a restart reads its own lines
+        storage = self._store.storage_engine if self._store else "memory://tansu/"
+        env = {**os.environ, **self._store.env()} if self._store else None
         self._proc = subprocess.Popen(
             [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+             "--storage-engine", storage],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:
