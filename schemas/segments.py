@@ -47,11 +47,11 @@ class SegmentSpec(_In):
         default=None, gt=0.0, le=3600.0, description="Segment length for mode 'fixed'"
     )
     threshold: float = Field(
-        default=0.25,
+        default=0.15,
         gt=0.0,
         le=1.0,
         description="Mode 'scenes': a cut where the mean absolute difference between two "
-        "consecutive frames (downscaled to 32x32 grey, 0..1) is at least this",
+        "consecutive frames (downscaled to 32x32 RGB, 0..1) is at least this",
     )
     min_s: float = Field(
         default=2.0, ge=0.0, le=3600.0, description="Mode 'scenes': no segment is shorter"
