@@ -309,6 +309,16 @@ def _check_brokers(cfg: Any, args: argparse.Namespace) -> None:
     check_brokers(cfg.kafka, BROKER_CHECK_S, source=setting_source("kafka.bootstrap_servers", args))
 
 
+def _warn_if_nobody_consumes(cfg: Any) -> None:
+    """`submit` and `backfill` post for the worker group: one line on stderr when it has no
+    member, or the jobs sit there unseen (issue #35)."""
+    from mmworker.group_members import idle_group_warning
+
+    warning = idle_group_warning(cfg.kafka)
+    if warning:
+        print(warning, file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from mmworker.config import TINY_MODEL
 
@@ -375,6 +385,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cfg = _load_for_client(args)
     check_sampling(args)
     _check_brokers(cfg, args)
+    _warn_if_nobody_consumes(cfg)
     return submit(args, cfg)
 
 
@@ -389,6 +400,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
     output_format(args.out, args.format)
     _check_brokers(cfg, args)
+    _warn_if_nobody_consumes(cfg)
     return backfill(args, cfg)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import struct
+import threading
 from dataclasses import dataclass
 
 from kafka import KafkaAdminClient
@@ -104,23 +105,36 @@ def _assigned(raw: bytes) -> tuple[tuple[str, int], ...] | None:
     return tuple(sorted((tp.topic, tp.partition) for tp in assignment.partitions()))
 
 
-def idle_group_warning(cfg: KafkaConfig, timeout_s: float = 5.0) -> str | None:
+def idle_group_warning(cfg: KafkaConfig, timeout_s: float = 3.0) -> str | None:
     """One line for `submit` and `backfill` when the worker group has no live member: their
     jobs would wait, unseen, until a worker runs (issue #35). None when members are there, and
-    also when the brokers cannot say within `timeout_s`: this is advice, the command goes on."""
-    try:
-        admin = KafkaAdminClient(**cfg.client_kwargs(), request_timeout_ms=int(timeout_s * 1000))
-    except KafkaError as exc:
-        log.debug("no group check: %r", exc)
-        return None
-    try:
-        described = describe_members(admin, cfg.group_id)
-    except GroupQueryError as exc:
-        log.debug("no group check: %s", exc)
-        return None
-    finally:
-        admin.close()
-    if described.members:
+    also when the brokers cannot say within `timeout_s`: this is advice, the command goes on.
+    The question runs on a thread of its own, bounded: a client's bootstrap can outlast its own
+    deadline (a TLS handshake with a plaintext listener never completes)."""
+    found: list[GroupMembers] = []
+
+    def ask() -> None:
+        timeout_ms = int(timeout_s * 1000)
+        try:
+            admin = KafkaAdminClient(
+                **cfg.client_kwargs(),
+                bootstrap_timeout_ms=timeout_ms,
+                request_timeout_ms=timeout_ms,
+            )
+        except (KafkaError, OSError, ValueError) as exc:
+            log.debug("no group check: %r", exc)
+            return
+        try:
+            found.append(describe_members(admin, cfg.group_id))
+        except GroupQueryError as exc:
+            log.debug("no group check: %s", exc)
+        finally:
+            admin.close()
+
+    thread = threading.Thread(target=ask, name="group-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if not found or found[0].members:
         return None
     return (
         f"warning: no worker is consuming group {cfg.group_id!r} on {cfg.bootstrap_servers}: the "

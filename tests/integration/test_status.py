@@ -25,6 +25,7 @@ from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.samples import sample_image
 from mmworker.kafka_io import SUSPECTS_TOPIC_CONFIG, ensure_topics
 from tests.conftest import GROUP_SETTINGS
 from tests.integration.workerkit import WorkerProcess, make_topics
@@ -267,3 +268,81 @@ def test_status_sees_a_real_worker_join_and_leave(broker: EmbeddedBroker, tmp_pa
     after = _status(broker, names, "--json")
     assert after["consuming"] is False, after["members"]
     assert after["state"] == "Empty"
+
+
+WARNING = "warning: no worker is consuming group"
+
+
+def _settings(broker: EmbeddedBroker, names: dict[str, str]) -> list[str]:
+    """`_flags` for the commands that take the group and topics as settings only."""
+    return [
+        "--bootstrap-servers", broker.bootstrap,
+        "--set", f"kafka.group_id={names['group']}",
+        "--set", f"kafka.input_topic={names['input']}",
+        "--set", f"kafka.dead_letter_topic={names['dlq']}",
+    ]  # fmt: skip
+
+
+def test_submit_warns_in_one_line_when_nobody_consumes(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    names = _names()
+    ensure_topics(KafkaConfig(bootstrap_servers=broker.bootstrap), {names["input"]: 1})  # type: ignore[call-arg]
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(sample_image(seed=3))
+    argv = [sys.executable, "-m", "mmworker", "submit", str(photo), *_settings(broker, names)]
+
+    def submit() -> list[str]:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env=_env()
+        )
+        assert out.returncode == 0, out.stderr
+        return [ln for ln in out.stderr.splitlines() if ln.startswith(WARNING)]
+
+    assert submit() == [
+        f"{WARNING} {names['group']!r} on {broker.bootstrap}: the jobs wait until one runs "
+        "(`mmworker status` shows the group)"
+    ]
+    member = _member(broker, names["input"], names["group"], "status-worker")
+    try:
+        _until_assigned([member], 1)
+        assert submit() == []
+    finally:
+        member.close(autocommit=False)
+
+
+def test_backfill_warns_in_one_line_when_nobody_consumes(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    names = _names()
+    cfg = KafkaConfig(bootstrap_servers=broker.bootstrap)  # type: ignore[call-arg]
+    ensure_topics(cfg, {names["input"]: 1, "mmworker.results": 1, names["dlq"]: 1})
+    (tmp_path / "a.jpg").write_bytes(sample_image(seed=4))
+    (tmp_path / "m.jsonl").write_text('{"uri": "a.jpg"}\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmworker", "backfill", str(tmp_path / "m.jsonl"),
+         "--out", str(tmp_path / "r.jsonl"), *_settings(broker, names)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None
+    stderr = proc.stderr
+
+    def pump() -> None:
+        for line in stderr:
+            lines.put(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 60
+        seen: list[str] = []
+        while not any(ln.startswith(WARNING) for ln in seen) and time.monotonic() < deadline:
+            seen.append(lines.get(timeout=60))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    warned = [ln for ln in seen if ln.startswith(WARNING)]
+    assert warned == [
+        f"{WARNING} {names['group']!r} on {broker.bootstrap}: the jobs wait until one runs "
+        "(`mmworker status` shows the group)"
+    ], seen
