@@ -75,6 +75,17 @@ class PublishRefused(WorkerError):
     code = ErrorCode.PUBLISH_FAILED
 
 
+class UnknownReplyTopic(PublishRefused):
+    """The job's reply topic is allowed (`kafka.reply_topics`) but missing on the broker.
+
+    kafka-python blocks a send to a topic it finds no metadata for up to `kafka.max_block_ms`,
+    then fails, and the worker retries until acknowledged: one such job pinned its partition's
+    commit for good and held the publishing thread a few seconds a try. Nor is the topic
+    created by sending to it where the broker would: a typo in a job must not become a topic."""
+
+    code = ErrorCode.UNKNOWN_REPLY_TOPIC
+
+
 class TopicRefused(WorkerError):
     """A topic refuses every record (authorization, invalid name): dead-lettering the whole
     stream would be wrong, so the worker stops, uncommitted, for the operator to fix it."""

@@ -22,7 +22,7 @@ from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError
 from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
@@ -230,14 +230,77 @@ def ensure_topics(
         admin.close()
 
 
+def topic_exists(cfg: KafkaConfig, topic: str, timeout_ms: int) -> bool | None:
+    """Whether the broker has `topic`, asked with a metadata request that does not create it (a
+    producer's does, where the broker allows it): None when the broker gave no answer for it
+    (unreachable, not authorized), for the caller to send anyway and retry as it would."""
+    try:
+        admin = KafkaAdminClient(
+            **cfg.client_kwargs(), request_timeout_ms=timeout_ms, bootstrap_timeout_ms=timeout_ms
+        )
+    except (KafkaError, OSError) as exc:
+        log.info("cannot ask the broker whether topic %r exists: %r", topic, exc)
+        return None
+    try:
+        described = admin.describe_topics([topic])
+    except (KafkaError, OSError) as exc:
+        log.info("cannot ask the broker whether topic %r exists: %r", topic, exc)
+        return None
+    finally:
+        admin.close()
+    code = next((d["error_code"] for d in described if d["name"] == topic), None)
+    if code == 0:
+        return True
+    return False if code == UnknownTopicOrPartitionError.errno else None
+
+
+class TopicCheck:
+    """`topic_exists` for the reply topics jobs name, remembered: a topic found stays found
+    (until `forget`: a send to it could not get metadata), a missing one is asked about again
+    after `recheck_s`, so that one created meanwhile is used and a stream of jobs naming a
+    missing topic costs one request an interval, not one a job."""
+
+    def __init__(self, lookup: Callable[[str], bool | None], recheck_s: float = 10.0) -> None:
+        self._lookup = lookup
+        self._recheck_s = recheck_s
+        self._found: set[str] = set()
+        self._missing: dict[str, float] = {}  # topic → when it was found missing (monotonic)
+        self._asking: dict[str, asyncio.Lock] = {}
+
+    async def exists(self, topic: str) -> bool:
+        """False only when the broker said the topic does not exist; an unanswered question is
+        True (the send goes ahead, retried as any other)."""
+        if topic in self._found:
+            return True
+        async with self._asking.setdefault(topic, asyncio.Lock()):  # one question at a time
+            missing_since = self._missing.get(topic)
+            if topic in self._found:
+                return True
+            if missing_since is not None and time.monotonic() - missing_since < self._recheck_s:
+                return False
+            answer = await asyncio.to_thread(self._lookup, topic)
+            if answer is False:
+                self._missing[topic] = time.monotonic()
+                return False
+            self._missing.pop(topic, None)
+            if answer:
+                self._found.add(topic)
+            return True
+
+    def forget(self, topic: str) -> None:
+        self._found.discard(topic)
+        self._missing.pop(topic, None)
+
+
 async def send(
     producer: KafkaProducer, topic: str, key: str, value: bytes, kind: str,
-    executor: Executor | None = None,
+    executor: Executor | None = None, lock: asyncio.Lock | None = None,
 ) -> None:  # fmt: skip
     """Send and wait for the broker's acknowledgement without blocking the event loop.
 
     `producer.send` itself may block (missing metadata, a full buffer: up to `max_block_ms`), so
-    it is called on `executor` when one is given.
+    it is called on `executor` when one is given, holding `lock` meanwhile: with one lock per
+    topic, a topic that cannot be written takes at most one of the executor's threads.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[Any] = loop.create_future()
@@ -253,7 +316,11 @@ async def send(
             topic, key=key.encode(), value=value, headers=[("mmworker-record", kind.encode())]
         )
 
-    future = submit() if executor is None else await loop.run_in_executor(executor, submit)
+    if executor is None:
+        future = submit()
+    else:
+        async with lock or contextlib.nullcontext():
+            future = await loop.run_in_executor(executor, submit)
     future.add_callback(ok)
     future.add_errback(failed)
     await done

@@ -12,6 +12,7 @@ outcome, a cancellation, or a fatal stop with a documented exit code; none is si
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from kafka.errors import (
     InconsistentGroupProtocolError,
     InvalidTopicError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     TopicAuthorizationFailedError,
@@ -34,12 +36,19 @@ from kafka.errors import (
 
 from mmworker import logs
 from mmworker.config import KafkaConfig, WorkerConfig
-from mmworker.errors import ConfigError, EngineFatal, PublishRefused, TopicRefused
+from mmworker.errors import (
+    ConfigError,
+    EngineFatal,
+    PublishRefused,
+    TopicRefused,
+    UnknownReplyTopic,
+)
 from mmworker.exits import ExitCode
 from mmworker.health import Health
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import (
     RebalanceListener,
+    TopicCheck,
     close_consumer,
     commit_in_rebalance,
     commit_payload,
@@ -50,11 +59,13 @@ from mmworker.kafka_io import (
     poll,
     rebalance_pending,
     send,
+    topic_exists,
     unparsed_highwater,
 )
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.records import Context
+from mmworker.recovery import EngineRecovery
 from mmworker.schemas import Failure, SourceCoords
 from mmworker.suspects import KafkaSuspects, Suspects
 
@@ -65,7 +76,6 @@ T = TypeVar("T")
 #: Refusals of one record (its size): the job is dead-lettered and the partition moves on.
 RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
 #: Refusals of a whole topic: every record would fail the same way, so the worker stops. Any
-from mmworker.recovery import EngineRecovery
 #: other error, retriable or not (kafka-python marks some transient producer errors, such as an
 #: idempotent producer's epoch bump, non-retriable), is retried with backoff.
 TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
@@ -106,8 +116,11 @@ class Worker:
     def __init__(
         self, cfg: WorkerConfig, runner: JobRunner, metrics: Metrics, model: str,
         clients: Clients | None = None, health: Health | None = None,
+        recovery: EngineRecovery | None = None,
     ) -> None:  # fmt: skip
+        """`recovery`: replace a dead engine in-process; None: stop (exit 3) at its death."""
         self._cfg = cfg
+        self._recovery = recovery
         self._health = health or Health(cfg.health)
         self._owned: set[Any] = set()  # partitions assigned now (written on the Kafka thread)
         self._health.assigned = lambda: len(self._owned)
@@ -116,18 +129,23 @@ class Worker:
         self._model = model
         self._clients = clients or KafkaClients(cfg.kafka)
         self.tracker = OffsetTracker()
-        recovery: EngineRecovery | None = None,
         self._live: dict[_Key, asyncio.Task[None]] = {}
-        """`recovery`: replace a dead engine in-process; None: stop (exit 3) at its death."""
         #: Most records one poll takes: a partition's share of max_in_flight while several may
-        self._recovery = recovery
         #: have records waiting, and no more than backfill jobs may still take (`_to_pause`).
         self._share = cfg.limits.max_in_flight
         self._backfill_cap = max(1, int(cfg.limits.max_in_flight * cfg.limits.backfill_share))
         self._last_live = float("-inf")  # when a live job last started
         self._kafka = ThreadPoolExecutor(1, thread_name_prefix="kafka")  # the consumer's thread
-        # producer.send blocks while metadata is missing or the buffer is full (max_block_ms)
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="publish")
+        # producer.send blocks while metadata is missing or the buffer is full (max_block_ms):
+        # a thread for each topic the worker writes (each takes one at most, `_sending`) and one
+        # for the producer's other calls, so a topic that cannot be written holds up no other.
+        k = cfg.kafka
+        written = {k.output_topic, k.dead_letter_topic, *k.reply_topics}
+        self._publisher = ThreadPoolExecutor(len(written) + 1, thread_name_prefix="publish")
+        self._sending: dict[str, asyncio.Lock] = {}
+        self._reply_topics = TopicCheck(
+            functools.partial(topic_exists, cfg.kafka, timeout_ms=cfg.kafka.max_block_ms)
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumer: Any = None
         self._producer: Any = None
@@ -318,21 +336,33 @@ class Worker:
     async def _publish(self, outcome: Outcome) -> None:
         """Retry until the broker acknowledges: an unacknowledged output must never be committed.
 
-        Raises `PublishRefused` for a record refused for its size, `TopicRefused` for a topic
-        that refuses everything; see RECORD_REFUSALS and TOPIC_REFUSALS.
+        Raises `PublishRefused` for a record refused for its size, `UnknownReplyTopic` for a
+        job's reply topic the broker does not have (asked before the first send, and again when
+        a send could not get the topic's metadata), `TopicRefused` for a topic that refuses
+        everything; see RECORD_REFUSALS and TOPIC_REFUSALS.
         """
         value = outcome.record.model_dump_json().encode()
+        k = self._cfg.kafka
+        reply = outcome.topic not in (k.output_topic, k.dead_letter_topic)
+        lock = self._sending.setdefault(outcome.topic, asyncio.Lock())
         delay = 0.2
         while True:
+            if reply and not await self._reply_topics.exists(outcome.topic):
+                raise UnknownReplyTopic(
+                    "the topic does not exist on the broker (kafka.reply_topics allows it: "
+                    "create it, then replay the job)"
+                )
             try:
                 await send(self._producer, outcome.topic, outcome.key, value, outcome.kind,
-                           self._publisher)  # fmt: skip
+                           self._publisher, lock)  # fmt: skip
                 return
             except RECORD_REFUSALS as exc:
                 raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
             except TOPIC_REFUSALS as exc:
                 raise TopicRefused(f"{outcome.topic}: {type(exc).__name__}: {exc}") from exc
             except KafkaError as exc:
+                if isinstance(exc, KafkaTimeoutError):  # no metadata: deleted since it was found?
+                    self._reply_topics.forget(outcome.topic)
                 log.warning(
                     "publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay
                 )

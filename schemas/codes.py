@@ -42,6 +42,9 @@ class ErrorCode(StrEnum):
     INVALID_RESPONSE_FORMAT = "invalid_response_format"
     #: Added in 1.4: a guided answer did not complete its response_format within `max_tokens`.
     INCOMPLETE_OUTPUT = "incomplete_output"
+    #: Added in 1.5: the job's reply_topic is one `kafka.reply_topics` allows, but the broker has
+    #: no such topic (the worker does not create it by writing to it).
+    UNKNOWN_REPLY_TOPIC = "unknown_reply_topic"
 
 
 #: Codes whose cause may go away on its own (network, broker, a busy engine); the worker retries

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 SCHEMA_MAJOR: Final = 1
-SCHEMA_MINOR: Final = 4
+SCHEMA_MINOR: Final = 5
 SCHEMA_VERSION: Final = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 #: Pattern every message's version must match; the major is pinned so JSON Schema users see it too.
 VERSION_PATTERN: Final = rf"^{SCHEMA_MAJOR}\.\d+$"

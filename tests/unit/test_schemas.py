@@ -28,7 +28,7 @@ def _job(**over: object) -> bytes:
 
 def test_minimal_job_gets_defaults() -> None:
     job = parse_job(_job())
-    assert job.schema_version == SCHEMA_VERSION == "1.4"
+    assert job.schema_version == SCHEMA_VERSION == "1.5"
     assert job.generation.max_tokens == 128
     assert job.generation.ignore_eos is False
     assert job.instruction(["image"]).startswith("Describe this image")
