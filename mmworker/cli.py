@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import json
 import logging
@@ -18,6 +19,7 @@ import re
 import sys
 import tomllib
 import traceback
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,14 @@ BROKER_CHECK_S = 10.0
 HUB_CHECK_S = 10.0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A wrong option is one line, like every other expected failure: argparse's own error
+    repeats the whole usage first (9 lines for `run`) above the one line that matters."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: {message} (`{self.prog} --help` lists them)\n")
+
+
 class _Help(argparse.HelpFormatter):
     """Shows each option's default, where it has one worth showing."""
 
@@ -73,14 +83,49 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _describe(path: str) -> str:
+def _field(path: str) -> Any:
     from mmworker.config import WorkerConfig
 
     section, _, leaf = path.partition(".")
     field = WorkerConfig.model_fields[section]
     if leaf and isinstance(field.annotation, type):
         field = field.annotation.model_fields[leaf]
-    return field.description or ""
+    return field
+
+
+def _describe(path: str) -> str:
+    return _field(path).description or ""
+
+
+def _default_shown(path: str) -> str:
+    """The setting's default as the configuration reference shows it (no Markdown)."""
+    from mmworker.config_reference import _default
+
+    return _default(_field(path)).replace("`", "").replace("%", "%%")
+
+
+class _NoneGiven:
+    """`--metrics-port None`: a setting explicitly unset (argparse's own None means 'not
+    given', which leaves the file's or the environment's value in place)."""
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+NONE_GIVEN = _NoneGiven()
+_NONE_WORDS = ("none", "null")
+
+
+def _flag_type(path: str, kind: type) -> Any:
+    """`kind`, plus the word None for settings whose description says None disables them."""
+    if type(None) not in typing.get_args(_field(path).annotation):
+        return kind
+
+    def convert(text: str) -> Any:
+        return NONE_GIVEN if text.strip().lower() in _NONE_WORDS else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names it: "invalid int value: 'x'"
+    return convert
 
 
 def _connection_args(p: argparse.ArgumentParser, flags: tuple[str, ...] = ()) -> None:
@@ -95,10 +140,10 @@ def _connection_args(p: argparse.ArgumentParser, flags: tuple[str, ...] = ()) ->
         path, kind = _RUN_FLAGS[flag]
         p.add_argument(
             flag,
-            type=kind,
+            type=_flag_type(path, kind),
             dest=path.replace(".", "__"),
             metavar=_METAVARS[flag],
-            help=f"{_describe(path)} ({path})",
+            help=f"{_describe(path)} ({path}; default: {_default_shown(path)})",
         )
     p.add_argument(
         "--set",
@@ -121,7 +166,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     for _flag, (path, _kind) in _RUN_FLAGS.items():
         value = getattr(args, path.replace(".", "__"), None)
         if value is not None:
-            pairs.append((path, value))
+            pairs.append((path, None if value is NONE_GIVEN else value))
     for item in getattr(args, "set", []):
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -131,7 +176,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
+            value = None if raw.strip().lower() == "none" else raw
         pairs.append((key.strip(), value))
     for path, value in pairs:
         *parents, leaf = path.split(".")
@@ -187,17 +232,50 @@ def explain_invalid(exc: ValidationError, args: argparse.Namespace) -> str:
     what to write instead."""
     parts: list[str] = []
     for err in exc.errors():
+        if err["type"] == "default_factory_not_called":
+            continue  # a default computed from settings that failed: those are named already
         path = ".".join(str(p) for p in err["loc"])
         source = setting_source(path, args)
         msg = str(err["msg"]).removeprefix("Value error, ")
         value = err.get("input")
         if err["type"] == "extra_forbidden":
-            msg = "no such setting (`mmworker config --reference` lists them all)"
+            msg = f"no such setting{_did_you_mean(err['loc'])} (`mmworker config --reference` "
+            msg += "lists them all)"
         elif err["type"] in ("tuple_type", "list_type", "dict_type", "model_type"):
             msg += f"; {_json_hint(path, value, source)}"
         shown = "" if isinstance(value, dict) else f"={value!r}"
         parts.append(f"{path}{shown} (from {source}): {msg}")
     return "invalid configuration: " + "; ".join(parts)
+
+
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """'; did you mean kafka.bootstrap_servers?' for a misspelt setting, '' when nothing is
+    close: the name is compared with those of the section it sits in."""
+    from pydantic import BaseModel
+
+    from mmworker.config import WorkerConfig
+
+    model: Any = WorkerConfig
+    parts = [str(p) for p in loc]
+    i = 0
+    while i < len(parts) - 1:
+        field = model.model_fields.get(parts[i])
+        if field is None:
+            return ""
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        if typing.get_origin(annotation) is dict and len(args) == 2 and isinstance(args[1], type):
+            model, i = args[1], i + 2  # tasks.NAME.prompt: the table's key is any name
+        elif isinstance(annotation, type):
+            model, i = annotation, i + 1
+        else:
+            return ""
+        if not issubclass(model, BaseModel):
+            return ""
+    if i != len(parts) - 1:
+        return ""
+    close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1)
+    return f"; did you mean {'.'.join([*parts[:-1], close[0]])}?" if close else ""
 
 
 def _json_hint(path: str, value: object, source: str) -> str:
@@ -380,10 +458,13 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from mmworker.tools import check_sampling, submit
+    from mmworker.tools import check_sampling, check_task, read_response_format, submit
 
     cfg = _load_for_client(args)
     check_sampling(args)
+    check_task(args.task, cfg)
+    if args.response_format is not None:
+        args.response_format = read_response_format(args.response_format)
     _check_brokers(cfg, args)
     _warn_if_nobody_consumes(cfg)
     return submit(args, cfg)
@@ -391,10 +472,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     from mmworker.backfill import backfill, manifest_kind, output_format
-    from mmworker.tools import check_sampling
+    from mmworker.tools import check_sampling, check_task
 
     cfg = _load_for_client(args)
     check_sampling(args)
+    check_task(args.task, cfg)
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
     manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
@@ -465,7 +547,7 @@ def _job_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmworker", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="mmworker", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"mmworker {__version__}")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an expected failure too"
@@ -510,6 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeat", type=int, default=1, metavar="N", help="post each source this many times"
     )
+    p.add_argument(
+        "--response-format", metavar="FILE|JSON",
+        help="constrain the answer (replaces the task's): JSON, or a file holding it, e.g. "
+        """'{"type": "choice", "choices": ["yes", "no"]}'; also json_schema (with a schema) """
+        "and regex (with a regex)",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_submit)
 
     p = command("backfill", "caption every row of a manifest into a results file, resumably")

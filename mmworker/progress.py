@@ -44,6 +44,7 @@ class Progress:
         stream: IO[str] | None = None,
         interval_s: float = LOG_INTERVAL_S,
         tty: bool | None = None,
+        show: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total = total
@@ -59,11 +60,12 @@ class Progress:
         self._last_log = self._started
         self._logged_n: int | None = None
         self._closed = False
+        self._show = show
         if tty is None:
             isatty = getattr(self._stream, "isatty", None)
             tty = bool(isatty and isatty())
         self._bar: Any = None
-        if tty:
+        if tty and show:
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -109,6 +111,8 @@ class Progress:
         return f"{self.desc}: {done} {self.unit}s{pct}, {rate:.1f} {self.unit}s/s{extra}"
 
     def _maybe_log(self) -> None:
+        if not self._show:
+            return
         now = self._clock()
         if now - self._last_log >= self._interval:
             self._last_log = now
@@ -146,6 +150,10 @@ def progress(
     initial: int = 0,
     stream: IO[str] | None = None,
     interval_s: float = LOG_INTERVAL_S,
+    show: bool = True,
 ) -> Progress:
-    """A bar when `stream` (stderr by default) is a terminal, periodic log lines otherwise."""
-    return Progress(total, desc, unit, initial=initial, stream=stream, interval_s=interval_s)
+    """A bar when `stream` (stderr by default) is a terminal, periodic log lines otherwise;
+    `show=False`: neither (a one-item run), `write` still prints."""
+    return Progress(
+        total, desc, unit, initial=initial, stream=stream, interval_s=interval_s, show=show
+    )

@@ -10,28 +10,29 @@ and a file the worker would refuse to read is reported with the fix instead of b
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaProducer
 from kafka.errors import KafkaError
-from pydantic import ValidationError
-from tqdm import tqdm
+from pydantic import TypeAdapter, ValidationError
 
-from mmworker.client import Client
+from mmworker.client import Ack, Client
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
 from mmworker.preprocess.errors import UnsupportedMedia
 from mmworker.preprocess.sniff import sniff
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker.progress import progress
+from mmworker.schemas import GenerationParams, Job, MediaRef, ResponseFormat
 from mmworker.schemas.job import TASK_NAME_PATTERN
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
@@ -119,6 +120,7 @@ def job_for(source: str, ref: MediaRef, args: argparse.Namespace) -> Job:
         job_id=str(uuid.uuid4()),
         prompt=args.prompt,
         task=getattr(args, "task", None),
+        response_format=getattr(args, "response_format", None),
         media=[ref],
         generation=generation,
         metadata={"source": source},
@@ -141,6 +143,52 @@ def check_sampling(args: argparse.Namespace) -> None:
             f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}" for e in exc.errors()
         )
         raise ConfigError(f"invalid sampling option: {bad}") from None
+
+
+def check_task(task: str | None, cfg: WorkerConfig) -> None:
+    """A task name the configuration does not have is refused here, before anything is posted:
+    the worker, reading the same task list, would dead-letter every job as unknown_task."""
+    if task is None or task in cfg.tasks:
+        return
+    close = difflib.get_close_matches(task, list(cfg.tasks), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"--task {task!r} is not one of the configured tasks ({', '.join(sorted(cfg.tasks))})"
+        f"{hint}: a new one goes under [tasks.{task}] in the worker's config, which this "
+        "command reads too (--config or MMWORKER_CONFIG)"
+    )
+
+
+_RESPONSE_FORMAT: TypeAdapter[ResponseFormat] = TypeAdapter(ResponseFormat)
+
+
+def read_response_format(given: str) -> ResponseFormat:
+    """`--response-format` as JSON text (starting with `{`) or a file holding it, checked against
+    the job schema now, so a mistake is one line here instead of a dead-lettered job later."""
+    if given.lstrip().startswith("{"):
+        text, where = given, "--response-format"
+    else:
+        try:
+            text = Path(given).read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"--response-format {given}: cannot read it ({exc.strerror or exc}): give a file "
+                'holding the JSON, or the JSON itself, e.g. \'{"type": "choice", "choices": '
+                '["yes", "no"]}\''
+            ) from None
+        where = f"--response-format {given}"
+    try:
+        return _RESPONSE_FORMAT.validate_json(text)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'it'}: {e['msg']}"
+            for e in exc.errors(include_url=False)[:5]
+        )
+        raise ConfigError(
+            f"{where} is not a response_format ({problems}): write "
+            '{"type": "json_schema", "schema": {...}}, {"type": "regex", "regex": "..."} or '
+            '{"type": "choice", "choices": [...]}'
+        ) from None
 
 
 def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
@@ -170,20 +218,17 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         print("mmworker submit: nothing to submit", file=sys.stderr)
         return 1
     sendable *= args.repeat
-    producer = KafkaProducer(
-        acks="all",
-        linger_ms=20,
-        max_request_size=cfg.kafka.max_request_size,
-        max_block_ms=cfg.kafka.max_block_ms,
-        **cfg.kafka.client_kwargs(),
-    )
     sent = 0
     refusals: list[str] = []
-    with tqdm(total=len(sendable), unit="job", desc="submitting", file=sys.stderr) as bar:
+    client = Client(cfg)
+    # One job needs no bar: its line on stdout and the summary say it all.
+    with progress(len(sendable), "submitting", "job", show=len(sendable) > 1) as bar:
 
-        def refused(source: str, exc: BaseException) -> None:
-            refusals.append(source)
-            tqdm.write(f"refused {source}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        def acknowledged(name: str, posted: Future[Ack]) -> None:
+            exc = posted.exception()
+            if exc is not None:
+                refusals.append(name)
+                bar.write(f"refused {name}: {type(exc).__name__}: {exc}")
             bar.update()
 
         try:
@@ -191,20 +236,18 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
                 try:
                     ref = media_ref(name, args.inline_max_bytes)
                 except OSError as exc:  # gone or unreadable since it was looked at
-                    tqdm.write(f"skipped {name}: {exc.strerror or exc}", file=sys.stderr)
+                    bar.write(f"skipped {name}: {exc.strerror or exc}")
                     failed += 1
                     bar.update()
                     continue
                 job = job_for(name, ref, args)
-                value = job.model_dump_json(exclude_defaults=True).encode()
-                future = producer.send(topic, key=job.job_id.encode(), value=value)
-                future.add_callback(lambda _meta: bar.update())
-                future.add_errback(lambda exc, src=name: refused(src, exc))
+                posted = client.post(job, topic)
+                posted.add_done_callback(lambda done, src=name: acknowledged(src, done))
                 print(f"{job.job_id}\t{name}", flush=True)
                 sent += 1
-            producer.flush()
+            client.flush()
         except Interrupted as exc:
-            tqdm.write(f"mmworker submit: {exc}: stopped after {sent} jobs", file=sys.stderr)
+            bar.write(f"mmworker submit: {exc}: stopped after {sent} jobs")
             return ExitCode.INTERRUPTED
         except KafkaError as exc:
             raise ConfigError(
@@ -212,10 +255,11 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
                 "worker does with --create-topics N), or name another with --topic"
             ) from exc
         finally:
-            producer.close(timeout=5)
+            client.close(timeout_s=5)
     failed += len(refusals)
     more = f"; {failed} not sent (see above)" if failed else ""
-    print(f"sent {sent - len(refusals)} jobs to {topic}{more}", file=sys.stderr)
+    done = sent - len(refusals)
+    print(f"sent {done} job{'' if done == 1 else 's'} to {topic}{more}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -274,6 +318,12 @@ def summarise(topic: str, doc: dict[str, object], key: bytes | None = None) -> s
     kinds = ",".join(str(m.get("kind")) for m in items if isinstance(m, dict))
     hit = " (cache hit)" if doc.get("cache_hit") else ""
     task = f" {doc['task']}" if doc.get("task") else ""
+    segments = doc.get("segments")
+    if isinstance(segments, list):  # segment mode: a line per segment under this one
+        from mmworker.segment_lines import segment_lines
+
+        head = f"[{topic}] {name} [{kinds}]{task}{hit}: {len(segments)} segments"
+        return "\n".join([head, *segment_lines(doc)])
     if doc.get("json") is not None:
         return f"[{topic}] {name} [{kinds}]{task}{hit}: {fields(doc['json'])}"
     text = str(doc.get("text"))

@@ -72,7 +72,9 @@ def test_run_help_uses_metavars_and_describes_each_setting() -> None:
     assert "KAFKA__BOOTSTRAP_SERVERS" not in text
     assert "--bootstrap-servers HOST:PORT[,...]" in text
     assert "--model ID_OR_DIR" in text
-    assert "(kafka.group_id)" in text and "Consumer group shared by all workers" in text
+    flat = " ".join(text.split())
+    assert "(kafka.group_id; default: mmworker)" in flat
+    assert "Consumer group shared by all workers" in flat
 
 
 def test_submit_and_tail_help_show_every_option_with_its_default() -> None:
@@ -103,7 +105,7 @@ HELP_SHOWS: dict[str, tuple[str, ...]] = {
     "submit": ("PATH_OR_URL", "--config FILE", "--bootstrap-servers HOST:PORT[,...]",
                "--set KEY=VALUE", "--topic TOPIC", "--prompt PROMPT", "--task NAME",
                "--max-tokens N", "--temperature T", "--top-p P", "--seed N",
-               "--inline-max-bytes BYTES", "--repeat N"),
+               "--inline-max-bytes BYTES", "--repeat N", "--response-format FILE|JSON"),
     "backfill": ("MANIFEST", "--out RESULTS", "--format {parquet,jsonl}", "--name NAME",
                  "--uri-column COLUMN", "(default: uri)", "--key-column COLUMN",
                  "--prompt-column COLUMN", "--options-column COLUMN",
@@ -317,7 +319,8 @@ def test_an_unknown_key_in_the_file_is_named_with_the_file(
     toml.write_text('[kafka]\nbootstrap = "k:9092"\n')
     assert _config_error(capsys, "--config", str(toml)) == (
         f"mmworker: invalid configuration: kafka.bootstrap='k:9092' (from config file {toml}): "
-        "no such setting (`mmworker config --reference` lists them all)\n"
+        "no such setting; did you mean kafka.bootstrap_servers? (`mmworker config --reference` "
+        "lists them all)\n"
     )
 
 
@@ -510,8 +513,8 @@ def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
 ) -> None:
     """The deployment's SASL_SSL settings (file, secret from the environment, --set) reach the
     kafka-python clients of submit and tail, and the broker check before them."""
+    import mmworker.client
     import mmworker.kafka_io
-    import mmworker.tools
     from mmworker.config import KafkaConfig
     from tests.unit.loopkit import Producer
 
@@ -535,7 +538,23 @@ def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
     monkeypatch.setattr(mmworker.kafka_io, "check_brokers",
                         lambda cfg, timeout_s, source: checked.append(cfg))  # fmt: skip
     clients: dict[str, dict[str, object]] = {}
-    producer = Producer()
+
+    class Acked:  # kafka-python's future, answered at once with the record's place
+        def __init__(self, topic: str) -> None:
+            self.meta = SimpleNamespace(topic=topic, partition=0, offset=0)
+
+        def add_callback(self, fn: Any) -> None:
+            fn(self.meta)
+
+        def add_errback(self, fn: Any) -> None:
+            pass
+
+    class AckingProducer(Producer):
+        def send(self, topic: str, *, key: bytes, value: bytes, headers: Any = None) -> Any:
+            super().send(topic, key=key, value=value, headers=headers)
+            return Acked(topic)
+
+    producer = AckingProducer()
 
     def make_producer(**kwargs: object) -> Producer:
         clients["producer"] = kwargs
@@ -545,24 +564,29 @@ def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
         def __init__(self, *topics: str, **kwargs: object) -> None:
             clients["consumer"] = kwargs
             self.subscribed = set(topics)
+            value = json.dumps({"job_id": "j1", "text": "a cat", "media": [{"kind": "image"}]})
+            result = SimpleNamespace(topic="mmworker.results", key=b"j1", value=value.encode())
+            self.batches = [{("mmworker.results", 0): [result]}]
 
         def topics(self) -> set[str]:
-            return self.subscribed
+            return {"mmworker.results", "mmworker.dead-letter"}
 
-        def __iter__(self) -> Any:
-            value = json.dumps({"job_id": "j1", "text": "a cat", "media": [{"kind": "image"}]})
-            yield SimpleNamespace(topic="mmworker.results", key=b"j1", value=value.encode())
+        def poll(self, timeout_ms: int) -> dict[Any, list[Any]]:
+            return self.batches.pop(0) if self.batches else {}
+
+        def subscription(self) -> set[str]:
+            return self.subscribed
 
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(mmworker.tools, "KafkaProducer", make_producer)
-    monkeypatch.setattr(mmworker.tools, "KafkaConsumer", Consumer)
+    monkeypatch.setattr(mmworker.client, "KafkaProducer", make_producer)
+    monkeypatch.setattr(mmworker.client, "KafkaConsumer", Consumer)
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(sample_image(seed=2))
 
     assert main(["submit", "--config", str(example), *mutual_tls, str(photo)]) == 0
-    assert main(["tail", "--config", str(example), *mutual_tls]) == 0
+    assert main(["tail", "--config", str(example), *mutual_tls, "--timeout", "0.1"]) == 0
 
     for name in ("producer", "consumer"):
         given = {key: clients[name].get(key) for key in expected}

@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import pty
+import select
 import struct
 import termios
 
@@ -75,7 +76,10 @@ def test_a_terminal_gets_a_tqdm_bar() -> None:
                 bar.update(2)
                 bar.write("a message")
             tty.flush()
-        shown = os.read(leader, 65536).decode()
+        chunks = []
+        while select.select([leader], [], [], 0.5)[0]:  # all of it: a pty hands it out in parts
+            chunks.append(os.read(leader, 65536))
+        shown = b"".join(chunks).decode()
     finally:
         os.close(leader)
         os.close(follower)
