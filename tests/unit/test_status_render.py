@@ -84,3 +84,9 @@ def test_json_carries_the_verdict_and_totals() -> None:
         "oldest_waiting_ms": int((NOW - 3 * 3600) * 1000),
     }  # fmt: skip
     assert doc["dead_letters"]["by_code"] == {"fetch_failed": 2, "engine_crash": 1}
+
+
+def test_a_missing_input_topic_is_named() -> None:
+    text = render(_status((), partitions=(), missing_topics=("jobs",)), "since 2027-01-15")
+    assert "  jobs: no such topic on the brokers" in text.splitlines()
+    assert text.splitlines()[0] == "NOBODY IS CONSUMING: group g has no live member; 0 jobs waiting"
