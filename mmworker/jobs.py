@@ -36,9 +36,18 @@ from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
 from mmworker.preprocess.tokens import fair_shares
 from mmworker.records import Context, build_failure, build_result, visual_tokens
-from mmworker.schemas import Failure, Job, Result, SchemaError, SourceCoords, parse_job
+from mmworker.schemas import (
+    Failure,
+    GenerationParams,
+    Job,
+    Result,
+    SchemaError,
+    SourceCoords,
+    parse_job,
+)
 from mmworker.schemas.codes import ErrorCode
 from mmworker.schemas.errors import CodedError
+from mmworker.segmented import run_segments, segment_budget
 from mmworker.suspects import suspect_key
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import Plan, plan_job
@@ -230,6 +239,8 @@ class JobRunner:
             )
         job, plan = plan_job(job, self._cfg.tasks)
         checked = await self._check_format(plan)
+        if job.segments is not None:
+            return await self._segmented(job, plan, checked, ctx, isolated, queue_wait_s, t0)
         media = await self._media.prepare(job, self._budgets(job, plan))
         self._observe_media(media)
         media = await self._share_context(job, plan, media)
@@ -251,6 +262,33 @@ class JobRunner:
         return build_result(
             job=job, media=media, out=out, ctx=ctx, queue_wait_s=queue_wait_s,
             total_s=time.perf_counter() - t0, parsed=parsed,
+        )  # fmt: skip
+
+    async def _segmented(
+        self, job: Job, plan: Plan, checked: Checked | None, ctx: Context, isolated: bool,
+        queue_wait_s: float, t0: float,
+    ) -> Result:  # fmt: skip
+        """Segment mode (`mmworker.segmented`): each segment and the summary go through
+        `_generate` as a job's one request does, so the gate, preemption and engine deaths
+        treat them alike."""
+        background = ctx.source.topic == self._cfg.kafka.backfill_topic
+
+        async def generate(
+            instruction: str, items: list[EngineItem], generation: GenerationParams,
+            guided: Checked | None,
+        ) -> EngineOutput:  # fmt: skip
+            asked = job.model_copy(update={"generation": generation})
+            out = None
+            while out is None:  # preempted by a live job: again, as in `_attempt`
+                out = await self._generate(asked, ctx, instruction, items, guided, isolated,
+                                           background)  # fmt: skip
+            return out
+
+        budget = self._budgets(job, plan)[0].video
+        params = self._media.video_params(job).with_budget(segment_budget(budget))
+        return await run_segments(
+            job=job, plan=plan, checked=checked, media=self._media, params=params,
+            generate=generate, ctx=ctx, queue_wait_s=queue_wait_s, t0=t0,
         )  # fmt: skip
 
     async def _generate(

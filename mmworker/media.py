@@ -29,10 +29,17 @@ from mmworker.errors import PreprocessPoolDead
 from mmworker.lanes import PrioritySlots
 from mmworker.preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
 from mmworker.preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
-from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker.preprocess.params import (
+    FetchPolicy,
+    ImageParams,
+    PreparedImage,
+    PreparedVideo,
+    VideoParams,
+)
 from mmworker.preprocess.prepare import prepare_media, warm_up
 from mmworker.preprocess.sniff import sniff
 from mmworker.preprocess.tokens import image_tokens, video_tokens
+from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
 from mmworker.schemas import Job, MediaRef
 
 log = logging.getLogger(__name__)
@@ -311,6 +318,43 @@ class MediaStage:
             for item in items:
                 item.cancel()
 
+    def video_params(self, job: Job) -> VideoParams:
+        """The job's video sampling settings over the worker's defaults."""
+        v = job.video
+        return self._cfg.video_params(v.strategy, v.fps, v.interval_s, v.max_frames, v.max_pixels)
+
+    async def fetch(self, ref: MediaRef) -> tuple[bytes, str, float]:
+        """(bytes, sha256, seconds) without the feature cache: segment mode keeps the bytes for
+        one decode call per segment (`mmworker.segmented`) and caches no features."""
+        loop = asyncio.get_running_loop()
+        handle = FetchHandle()
+        t0 = time.perf_counter()
+        try:
+            data, sha = await loop.run_in_executor(self._io_pool, _fetch_hashed, ref, self._policy,
+                                                   handle)  # fmt: skip
+        except asyncio.CancelledError:
+            handle.abort()  # see `_one`
+            raise
+        return data, sha, time.perf_counter() - t0
+
+    async def decode_segment(
+        self, data: bytes, params: VideoParams, rule: SegmentRule, start_s: float
+    ) -> PreparedSegment:
+        """One segment's decode in the process pool; if a process of the pool died meanwhile, once
+        more alone, and if it dies there too, `UndecodableVideo` (as for `_decode_alone`)."""
+        try:
+            return await self._decoder.run(prepare_segment, data, params, rule, start_s)
+        except BrokenExecutor:
+            if not self._decoder.rebuildable:
+                raise
+        try:
+            return await self._decoder.run_alone(prepare_segment, data, params, rule, start_s)
+        except BrokenExecutor as exc:
+            raise UndecodableVideo(
+                f"the video decoder's process died decoding the segment at {start_s:.3f}s, also "
+                "alone in a process of its own"
+            ) from exc
+
     async def _one(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> PreparedMedia:
         loop = asyncio.get_running_loop()
         handle = FetchHandle()
@@ -499,6 +543,11 @@ class MediaStage:
             with self._pending_lock:
                 if self._pending.pop(key, None) is not None:
                     self._pending_bytes -= _nbytes(prepared)
+
+
+def _fetch_hashed(ref: MediaRef, policy: FetchPolicy, handle: FetchHandle) -> tuple[bytes, str]:
+    data = fetch_bytes(ref, policy, handle)
+    return data, hashlib.sha256(data).hexdigest()
 
 
 def _visual_tokens(prepared: PreparedImage | PreparedVideo) -> int:

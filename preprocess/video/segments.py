@@ -222,6 +222,7 @@ class _Keeper:
         end = next_start if next_start is not None else self.end_s
         duration = max(end - self.start_s, EPS)
         params = self.params
+        want: float
         if params.strategy == "interval":
             want = math.floor((self.last_s - self.start_s) / params.interval_s + 1e-9) + 1
         else:

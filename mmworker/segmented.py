@@ -1,0 +1,307 @@
+"""Segment mode of a job: a video captioned as timed segments, then optionally summarised.
+
+The video is fetched once and its bytes kept for the job; each segment is one decode call in the
+process pool (`preprocess.video.segments.prepare_segment`: seek, decode forward, cut), and goes
+to the engine as soon as it is back, while the next one decodes. At most `SEGMENTS_IN_FLIGHT`
+segments of a job are prepared or inside the engine at once: that bounds a job's memory (their
+frames) and its share of the engine, so a two-hour video occupies a few of the batch's places,
+not all of them, and live jobs beside it keep theirs. The feature cache is not used (a segment's
+features are not reused across jobs often enough to pay for writing them).
+
+Failures stay in their place: a segment that cannot be decoded or generated becomes an entry
+with its error code and the others are kept; a decode failure ends the video there (where the
+next segment starts is unknown). Only when no segment has a caption is the job a failure, with
+the first segment's error (retried as a whole when that error is retryable). An engine death is
+the job's, as for any job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from mmworker.cache import make_key
+from mmworker.engine import EngineItem, EngineOutput
+from mmworker.engine.guidance import Checked, parse_answer
+from mmworker.errors import EngineFatal, PreprocessPoolDead
+from mmworker.media import MediaStage
+from mmworker.preprocess.errors import NoFrames, UnsupportedMedia
+from mmworker.preprocess.params import VideoParams
+from mmworker.preprocess.sniff import sniff
+from mmworker.preprocess.tokens import video_tokens
+from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule
+from mmworker.records import Context
+from mmworker.schemas import (
+    GenerationParams,
+    Job,
+    MediaFacts,
+    Result,
+    SegmentError,
+    SegmentResult,
+    SegmentSpec,
+    Timings,
+    Usage,
+)
+from mmworker.schemas.errors import CodedError
+from mmworker.tasks import Plan
+
+log = logging.getLogger(__name__)
+
+#: Segments of one job prepared or in the engine at once (see the module's docstring).
+SEGMENTS_IN_FLIGHT = 4
+DEFAULT_SUMMARY_PROMPT = (
+    "Below are captions of consecutive segments of one video, with their times in seconds. "
+    "Summarise what happens in the whole video in a few sentences."
+)
+
+#: Text tokens kept free beside a segment's frames for the time range in its prompt.
+PROMPT_MARGIN_TOKENS = 48
+#: (instruction, items, generation, checked) → the engine's answer; the job runner's gate,
+#: preemption and request bookkeeping stay the runner's.
+Generate = Callable[
+    [str, list[EngineItem], GenerationParams, Checked | None], Awaitable[EngineOutput]
+]
+
+
+@dataclass(slots=True)
+class _Slot:
+    start_s: float
+    end_s: float
+    result: SegmentResult | None = None
+    error: CodedError | None = None
+    prompt_tokens: int = 0
+    visual: int = 0
+    engine_s: float = 0.0
+    frames: int = 0
+    size: tuple[tuple[int, int], tuple[int, int]] | None = None
+
+
+def segment_budget(job_budget: int | None) -> int | None:
+    """A segment's visual-token budget: the job's, less room for the time range its prompt
+    adds (`segment_instruction`)."""
+    return None if job_budget is None else max(job_budget - PROMPT_MARGIN_TOKENS, 1)
+
+
+def rule_of(spec: SegmentSpec) -> SegmentRule:
+    return SegmentRule(
+        mode=spec.mode,
+        every_s=spec.every_s or 0.0,
+        threshold=spec.threshold,
+        min_s=spec.min_s,
+        max_s=spec.max_s,
+    )
+
+
+def segment_instruction(spec: SegmentSpec, plan: Plan, start_s: float, end_s: float) -> str:
+    """The segment's own prompt, carrying its time range (the model sees only the segment)."""
+    if spec.prompt is not None:
+        return spec.prompt.replace("{start}", f"{start_s:.1f}").replace("{end}", f"{end_s:.1f}")
+    return (
+        f"This clip is the part of a longer video from {start_s:.1f}s to {end_s:.1f}s. "
+        + plan.instruction(("video",))
+    )
+
+
+async def run_segments(
+    *,
+    job: Job,
+    plan: Plan,
+    checked: Checked | None,
+    media: MediaStage,
+    params: VideoParams,
+    generate: Generate,
+    ctx: Context,
+    queue_wait_s: float,
+    t0: float,
+) -> Result:
+    spec = job.segments
+    assert spec is not None
+    data, sha, fetch_s = await media.fetch(job.media[0])
+    if sniff(data).kind != "video":
+        raise UnsupportedMedia("segments need a video; the media is an image")
+    rule = rule_of(spec)
+    room = asyncio.Semaphore(SEGMENTS_IN_FLIGHT)
+    slots: list[_Slot] = []
+    tasks: list[asyncio.Task[None]] = []
+    decode_s = 0.0
+    cut: str | None = None
+    start = 0.0
+    try:
+        while True:
+            if len(slots) >= spec.max_segments:
+                cut = (
+                    f"max_segments ({spec.max_segments}) reached: the video from {start:.1f}s "
+                    "on has no segments"
+                )
+                break
+            await room.acquire()
+            t1 = time.perf_counter()
+            try:
+                seg = await media.decode_segment(data, params, rule, start)
+            except (EngineFatal, PreprocessPoolDead):
+                raise
+            except CodedError as exc:
+                room.release()
+                if isinstance(exc, NoFrames) and slots:
+                    break  # nothing decodes after the last cut: the video ended there
+                slots.append(_Slot(start, start, error=exc))
+                log.warning("job %s: segment at %.1fs does not decode: %s", job.job_id, start,
+                            exc.message)  # fmt: skip
+                break
+            finally:
+                decode_s += time.perf_counter() - t1
+            slot = _Slot(seg.start_s, seg.end_s)
+            slots.append(slot)
+            tasks.append(
+                asyncio.create_task(
+                    _caption(job, spec, plan, checked, generate, seg, slot, sha, params, room)
+                )
+            )
+            if seg.last:
+                break
+            start = seg.end_s
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    done = [s for s in slots if s.result is not None and s.result.error is None]
+    if not done:
+        first = next(s.error for s in slots if s.error is not None)
+        raise first
+    summary, summary_out = await _summarise(job, spec, slots, generate)
+    return _result(job, ctx, slots, sha, summary, summary_out, cut, fetch_s, decode_s,
+                   queue_wait_s, time.perf_counter() - t0)  # fmt: skip
+
+
+async def _caption(
+    job: Job, spec: SegmentSpec, plan: Plan, checked: Checked | None, generate: Generate,
+    seg: PreparedSegment, slot: _Slot, sha: str, params: VideoParams, room: asyncio.Semaphore,
+) -> None:  # fmt: skip
+    video = seg.video
+    n, height, width = (int(x) for x in video.frames.shape[:3])
+    slot.frames, slot.visual = n, video_tokens(n, height, width)
+    slot.size = (video.original_size, video.resized_size)
+    stamps = [round(t, 3) for t in video.timestamps]
+    uuid = f"{make_key(sha, params)}:{seg.start_s:.3f}-{seg.end_s:.3f}"
+    instruction = segment_instruction(spec, plan, seg.start_s, seg.end_s)
+    try:
+        out = await generate(instruction, [EngineItem(video, uuid)], job.generation, checked)
+        parsed = None
+        if checked is not None:
+            parsed = parse_answer(
+                checked.guide, out.text, out.finish_reason, job.generation.max_tokens
+            )
+    except (EngineFatal, PreprocessPoolDead):
+        raise
+    except CodedError as exc:
+        slot.error = exc
+        slot.result = SegmentResult(
+            start_s=round(seg.start_s, 3), end_s=round(seg.end_s, 3), frames=n,
+            frame_timestamps=stamps, visual_tokens=slot.visual,
+            error=SegmentError(code=exc.code, message=exc.message[:1024]),
+        )  # fmt: skip
+        return
+    finally:
+        del video, seg  # the frames go as soon as the engine has them
+        room.release()
+    slot.prompt_tokens, slot.engine_s = out.prompt_tokens, out.engine_s
+    slot.result = SegmentResult(
+        start_s=round(slot.start_s, 3), end_s=round(slot.end_s, 3), text=out.text,
+        json_=parsed, frames=n, frame_timestamps=stamps, finish_reason=out.finish_reason,
+        output_tokens=out.output_tokens, visual_tokens=slot.visual,
+    )  # fmt: skip
+
+
+async def _summarise(
+    job: Job, spec: SegmentSpec, slots: list[_Slot], generate: Generate
+) -> tuple[str | None, EngineOutput | None]:
+    """The summary over the captions, text only; a failed summary leaves the captions standing
+    (the result then has `summary` null)."""
+    if spec.summary is None:
+        return None, None
+    lines = [
+        f"[{s.start_s:.1f}s-{s.end_s:.1f}s] {s.result.text.strip()}"
+        for s in slots
+        if s.result is not None and s.result.error is None
+    ]
+    instruction = (spec.summary.prompt or DEFAULT_SUMMARY_PROMPT) + "\n\n" + "\n".join(lines)
+    generation = job.generation.model_copy(
+        update={"max_tokens": spec.summary.max_tokens, "stop": [], "ignore_eos": False}
+    )
+    try:
+        out = await generate(instruction, [], generation, None)
+    except (EngineFatal, PreprocessPoolDead):
+        raise
+    except CodedError as exc:
+        log.warning("job %s: summary failed: %s", job.job_id, exc.message)
+        return None, None
+    return out.text, out
+
+
+def _result(
+    job: Job, ctx: Context, slots: list[_Slot], sha: str, summary: str | None,
+    summary_out: EngineOutput | None, cut: str | None, fetch_s: float, decode_s: float,
+    queue_wait_s: float, total_s: float,
+) -> Result:  # fmt: skip
+    segments = [
+        s.result
+        if s.result is not None
+        else SegmentResult(
+            start_s=round(s.start_s, 3),
+            end_s=round(s.end_s, 3),
+            error=SegmentError(code=s.error.code, message=s.error.message[:1024])
+            if s.error is not None
+            else None,
+        )
+        for s in slots
+    ]
+    timed = "\n".join(
+        f"[{s.start_s:.1f}-{s.end_s:.1f}s] {s.text}" for s in segments if s.error is None
+    )
+    extra = [summary_out] if summary_out is not None else []
+    sized = next(s.size for s in slots if s.size is not None)
+    visual = sum(s.visual for s in slots)
+    end = max(s.end_s for s in slots)
+    return Result(
+        job_id=job.job_id,
+        text=summary if summary is not None else timed,
+        task=job.task,
+        finish_reason=summary_out.finish_reason if summary_out is not None else "stop",
+        model=ctx.model,
+        model_revision=ctx.model_revision,
+        usage=Usage(
+            prompt_tokens=sum(s.prompt_tokens for s in slots) + sum(o.prompt_tokens for o in extra),
+            visual_tokens=visual,
+            output_tokens=sum(s.output_tokens for s in segments)
+            + sum(o.output_tokens for o in extra),
+        ),
+        media=[
+            MediaFacts(
+                kind="video",
+                sha256=sha,
+                original_size=sized[0],
+                resized_size=sized[1],
+                visual_tokens=visual,
+                frames=sum(s.frames for s in slots),
+                duration_s=end,
+                cache_hit=False,
+            )
+        ],
+        timings=Timings(
+            queue_wait_s=max(0.0, queue_wait_s),
+            fetch_s=fetch_s,
+            preprocess_s=decode_s,
+            engine_s=sum(s.engine_s for s in slots) + sum(o.engine_s for o in extra),
+            total_s=total_s,
+        ),
+        cache_hit=False,
+        source=ctx.source,
+        worker_id=ctx.worker_id,
+        metadata=job.metadata,
+        segments=segments,
+        summary=summary,
+        segments_cut=cut,
+    )

@@ -1,0 +1,100 @@
+"""Segment mode end to end: real broker, the session's real `mmworker run`, real vLLM engine (tiny
+model). A generated 10-minute clip (64x64, 4 fps) changes colour at known times; the worker
+finds every change, cuts fixed segments where asked, captions every segment, summarises them and,
+for a structured task, returns JSON valid against the task's schema for every segment.
+"""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+from mmworker.schemas import Job, MediaRef
+
+from tests.integration.conftest import Service
+from tests.integration.structured_tasks import SCENE
+from tests.integration.workerkit import Collector, Posted, post
+from tests.media_scenes import scene_video
+
+pytestmark = pytest.mark.integration
+
+START_S = 600  # engine start on 2 busy CPU cores, then ~30 segment requests and two summaries
+DURATION_S = 600.0
+#: Scene changes (s). Every scene is shorter than MAX_S, so every boundary is a scene change.
+CUTS = [37.5, 95.0, 160.0, 230.25, 300.0, 345.0, 410.0, 480.5, 540.0]
+MAX_S = 90.0
+#: Few, small frames per segment: the tiny model's context is 4096 tokens.
+VIDEO = {"fps": 0.25, "max_frames": 4}
+
+
+def _jobs(clip: bytes) -> list[tuple[str, bytes]]:
+    media = [MediaRef(data=clip)]
+    jobs = [
+        Job(
+            job_id="seg-scenes", media=media, video=VIDEO,
+            generation={"max_tokens": 12},
+            segments={"mode": "scenes", "min_s": 5.0, "max_s": MAX_S,
+                      "summary": {"max_tokens": 16}},
+        ),
+        Job(
+            job_id="seg-fixed", media=media, video=VIDEO, generation={"max_tokens": 8},
+            segments={"mode": "fixed", "every_s": 60.0, "summary": {}},
+        ),
+        Job(
+            job_id="seg-structured", task="scene", media=media, video=VIDEO,
+            segments={"mode": "fixed", "every_s": 120.0},
+        ),
+        Job(
+            job_id="seg-capped", media=media, video=VIDEO, generation={"max_tokens": 4},
+            segments={"mode": "fixed", "every_s": 60.0, "max_segments": 3},
+        ),
+    ]  # type: ignore[arg-type]  # fmt: skip
+    return [(j.job_id, j.model_dump_json(exclude_defaults=True).encode()) for j in jobs]
+
+
+def test_ten_minute_clip_in_scene_and_fixed_segments(service: Service) -> None:
+    clip = scene_video(CUTS, DURATION_S)
+    jobs = _jobs(clip)
+    topics, worker = service.topics, service.worker
+    collector = Collector(
+        service.broker.bootstrap, [topics["output"], topics["dlq"]], from_now=True
+    )
+    try:
+        post(service.broker.bootstrap, topics["input"], jobs, Posted())
+        collector.wait_for({job_id for job_id, _ in jobs}, START_S, worker)
+        answers = {job_id: collector.one(job_id) for job_id, _ in jobs}
+    finally:
+        collector.close()
+    for job_id, (topic, doc) in answers.items():
+        assert topic == topics["output"], (job_id, doc)
+        for seg in doc["segments"]:
+            assert seg["error"] is None, (job_id, seg)
+            assert seg["text"], (job_id, seg)  # every segment has a caption
+            assert seg["frames"] >= 2
+
+    scenes = answers["seg-scenes"][1]
+    bounds = [s["start_s"] for s in scenes["segments"][1:]]
+    assert len(bounds) == len(CUTS), bounds
+    for found, cut in zip(bounds, CUTS, strict=True):
+        assert abs(found - cut) <= 1.0, (bounds, CUTS)
+    assert scenes["segments"][0]["start_s"] == 0.0
+    assert scenes["segments"][-1]["end_s"] == pytest.approx(DURATION_S, abs=0.5)
+    assert scenes["summary"], scenes
+    assert scenes["text"] == scenes["summary"]
+
+    fixed = answers["seg-fixed"][1]
+    assert [(s["start_s"], s["end_s"]) for s in fixed["segments"]] == [
+        (pytest.approx(60.0 * k), pytest.approx(60.0 * (k + 1))) for k in range(10)
+    ]
+    assert fixed["summary"]
+    assert fixed["segments_cut"] is None
+
+    structured = answers["seg-structured"][1]
+    assert len(structured["segments"]) == 5
+    for seg in structured["segments"]:
+        jsonschema.validate(seg["json"], SCENE)
+
+    capped = answers["seg-capped"][1]
+    assert len(capped["segments"]) == 3
+    assert "max_segments (3)" in capped["segments_cut"]
+    assert "180.0s" in capped["segments_cut"]
+    assert capped["summary"] is None
