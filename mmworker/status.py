@@ -144,7 +144,8 @@ class StatusReader:
         wanted = [cfg.input_topic, *([cfg.backfill_topic] if cfg.backfill_topic else [])]
         topics = sorted({*wanted, *(tp.topic for tp in committed)})
         parts, missing = self._partitions(topics)
-        lags, lag_complete = self._lag(parts, {tp: om.offset for tp, om in committed.items()})
+        done = {tp: om.offset for tp, om in committed.items() if om.offset >= 0}  # -1: none
+        lags, lag_complete = self._lag(parts, done)
         since = taken_at - recent_s
         return GroupStatus(
             bootstrap=cfg.bootstrap_servers,
