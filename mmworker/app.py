@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from mmworker import health, lifeline, logs
+from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, resolve_model
@@ -165,6 +166,7 @@ async def _serve(
         )
     phases = StartupPhases()
     told: asyncio.Task[None] | None = None
+    watching: asyncio.Task[None] | None = None
     try:
         phases.begin("loading the model (the preprocessing pool warms up beside it)")
         warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
@@ -211,6 +213,9 @@ async def _serve(
         )
         phases.begin("connecting to the brokers and joining the group")
         told = asyncio.create_task(phases.log_when(lambda: probes.assigned() > 0))
+        if cfg.log_level != "DEBUG":
+            quiet_connection_noise()
+        watching = asyncio.create_task(watch_brokers(cfg.kafka.bootstrap_servers.split(",")))
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))
         code = await worker.run()
@@ -231,6 +236,8 @@ async def _serve(
             calming.cancel()
         if told is not None:
             told.cancel()
+        if watching is not None:
+            watching.cancel()
         if pruning is not None:
             pruning.cancel()
         if engine is not None:
