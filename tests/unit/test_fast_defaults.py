@@ -10,7 +10,9 @@ from mmworker.hardware import GIB, Hardware
 CPU = Hardware(gpu_name=None, gpu_memory_bytes=0, gpus=0, cores=2)
 # Total memory as NVML reports it on the lent machines (nvidia-smi's memory.total).
 H200 = Hardware(gpu_name="NVIDIA H200", gpu_memory_bytes=143771 * 1024**2, gpus=1, cores=16)
-H100 = Hardware(gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=81559 * 1024**2, gpus=1, cores=16)
+H100 = Hardware(
+    gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=81559 * 1024**2, gpus=1, cores=16
+)
 A100_40 = Hardware(gpu_name="NVIDIA A100-SXM4-40GB", gpu_memory_bytes=40 * GIB, gpus=1, cores=32)
 L4 = Hardware(gpu_name="NVIDIA L4", gpu_memory_bytes=23 * GIB, gpus=1, cores=8)
 
