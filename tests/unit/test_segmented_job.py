@@ -1,0 +1,138 @@
+"""`run_segments` with real segment decoding (PyAV, in this process) and a fake engine: failed
+segments keep their place, a job with no caption at all fails with the first segment's error,
+and a job never has more than SEGMENTS_IN_FLIGHT segments prepared or in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+
+import pytest
+from media_scenes import scene_video
+from mmworker.preprocess.errors import UndecodableVideo
+from mmworker.preprocess.params import VideoParams
+from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker.schemas import ErrorCode, GenerationParams, Job, MediaRef, SourceCoords
+
+from mmworker.engine import EngineItem, EngineOutput
+from mmworker.engine.guidance import Checked
+from mmworker.errors import RequestFailed
+from mmworker.records import Context
+from mmworker.segmented import SEGMENTS_IN_FLIGHT, run_segments
+from mmworker.tasks import plan_job
+
+CLIP = scene_video([], 60.0)
+CTX = Context(SourceCoords(topic="in", partition=0, offset=7), None, "w", "tiny", None)
+PARAMS = VideoParams(fps=0.5, max_frames=4, min_pixels=64 * 28 * 28)
+
+
+class _Media:
+    """The two MediaStage calls segment mode makes, decoding for real in this process."""
+
+    def __init__(self, fail_from_s: float | None = None) -> None:
+        self.fail_from_s = fail_from_s
+        self.decoded = 0
+
+    async def fetch(self, ref: MediaRef) -> tuple[bytes, str, float]:
+        return CLIP, hashlib.sha256(CLIP).hexdigest(), 0.0
+
+    async def decode_segment(
+        self, data: bytes, params: VideoParams, rule: SegmentRule, start_s: float
+    ) -> PreparedSegment:
+        if self.fail_from_s is not None and start_s >= self.fail_from_s:
+            raise UndecodableVideo(f"corrupt video data at {start_s}s")
+        self.decoded += 1
+        return prepare_segment(data, params, rule, start_s)
+
+
+def _job(**segments: object) -> Job:
+    spec = {"mode": "fixed", "every_s": 10.0, **segments}
+    return Job(job_id="long", media=[MediaRef(data=b"x")], segments=spec)  # type: ignore[arg-type]
+
+
+async def _run(job: Job, media: _Media, generate: object) -> object:
+    job, plan = plan_job(job, {})
+    return await run_segments(
+        job=job, plan=plan, checked=None, media=media, params=PARAMS,  # type: ignore[arg-type]
+        generate=generate, ctx=CTX, queue_wait_s=0.0, t0=0.0,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _answer(text: str) -> EngineOutput:
+    return EngineOutput(text, "stop", 10, 2, 0.01)
+
+
+async def _echo(
+    instruction: str, items: list[EngineItem], generation: GenerationParams, checked: Checked | None
+) -> EngineOutput:
+    if not items:
+        return _answer("summary of " + str(instruction.count("\n[")))
+    if "from 20.0s" in instruction:
+        raise RequestFailed("engine request failed: boom")
+    found = re.search(r"from ([\d.]+s to [\d.]+s)", instruction)
+    assert found is not None, instruction
+    return _answer(found.group(1))
+
+
+def test_a_failed_segment_keeps_its_place_and_the_summary_uses_the_rest() -> None:
+    result = asyncio.run(_run(_job(summary={}), _Media(), _echo))
+    segs = result.segments  # type: ignore[attr-defined]
+    assert [s.start_s for s in segs] == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
+    assert segs[2].error is not None
+    assert segs[2].error.code is ErrorCode.ENGINE_ERROR
+    assert segs[2].text == ""
+    assert segs[0].text == "0.0s to 10.0s"
+    assert all(s.error is None and s.text for i, s in enumerate(segs) if i != 2)
+    # Five captions went into the summary, the failed one did not.
+    assert result.summary == "summary of 5"  # type: ignore[attr-defined]
+
+
+def test_a_decode_failure_ends_the_video_there_in_place() -> None:
+    result = asyncio.run(_run(_job(), _Media(fail_from_s=30.0), _echo))
+    segs = result.segments  # type: ignore[attr-defined]
+    assert [(s.start_s, s.error.code if s.error else None) for s in segs] == [
+        (0.0, None), (10.0, None), (20.0, ErrorCode.ENGINE_ERROR),
+        (30.0, ErrorCode.UNDECODABLE_VIDEO),
+    ]  # fmt: skip
+
+
+def test_no_caption_at_all_is_the_jobs_failure() -> None:
+    async def broken(*_: object) -> EngineOutput:
+        raise RequestFailed("engine request failed: down")
+
+    with pytest.raises(RequestFailed):
+        asyncio.run(_run(_job(), _Media(), broken))
+    with pytest.raises(UndecodableVideo):
+        asyncio.run(_run(_job(), _Media(fail_from_s=0.0), _echo))
+
+
+def test_at_most_segments_in_flight_are_prepared_or_in_the_engine() -> None:
+    inside = 0
+    peak = 0
+    media = _Media()
+
+    async def slow(
+        instruction: str, items: list[EngineItem], generation: GenerationParams,
+        checked: Checked | None,
+    ) -> EngineOutput:  # fmt: skip
+        nonlocal inside, peak
+        inside += 1
+        peak = max(peak, inside)
+        # Decoded but not yet answered: bounded by the same count.
+        assert media.decoded - done <= SEGMENTS_IN_FLIGHT
+        await asyncio.sleep(0.05)
+        inside -= 1
+        return _answer("ok")
+
+    done = 0
+
+    async def counted(*args: object) -> EngineOutput:
+        nonlocal done
+        out = await slow(*args)  # type: ignore[arg-type]
+        done += 1
+        return out
+
+    result = asyncio.run(_run(_job(every_s=2.0), media, counted))
+    assert len(result.segments) == 30  # type: ignore[attr-defined]
+    assert peak == SEGMENTS_IN_FLIGHT
