@@ -22,19 +22,20 @@ import csv
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
-from mmworker.errors import ConfigError
+from mmworker.errors import ConfigError, WorkerError
 from mmworker.exits import ExitCode, Interrupted
 from mmworker.schemas import GenerationParams, Job, MediaRef
 from mmworker.schemas.job import JOB_ID_MAX_LENGTH
@@ -52,15 +53,18 @@ GENERATION_FIELDS = tuple(GenerationParams.model_fields)
 INVALID_ROW = "invalid_schema"
 #: The columns of every output row, in order (Parquet schema and JSONL keys alike).
 OUTPUT_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("job_id", "string"), ("row", "string"), ("source", "string"), ("outcome", "string"),
+    ("job_id", "string"), ("row", "string"), ("row_number", "int64"), ("source", "string"),
+    ("outcome", "string"),
     ("caption", "string"), ("json", "string"), ("task", "string"), ("finish_reason", "string"),
     ("model", "string"), ("model_revision", "string"), ("prompt_tokens", "int64"),
     ("visual_tokens", "int64"), ("output_tokens", "int64"), ("queue_wait_s", "float64"),
     ("fetch_s", "float64"), ("preprocess_s", "float64"), ("engine_s", "float64"),
     ("total_s", "float64"), ("code", "string"), ("message", "string"), ("retryable", "bool_"),
     ("attempts", "int64"), ("worker_id", "string"), ("metadata", "string"),
-    ("answered_at", "string"),
+    ("answered_at", "string"), ("fingerprint", "string"),
 )  # fmt: skip
+#: A JSONL manifest's columns are the keys of its rows: the check reads this many of them.
+COLUMN_SAMPLE_ROWS = 1000
 
 
 class ManifestError(ConfigError):
@@ -142,6 +146,64 @@ def count_rows(spec: str) -> int | None:
     return None
 
 
+def columns_from(args: argparse.Namespace) -> Columns:
+    """The column flags of `mmworker backfill`."""
+    return Columns(
+        uri=args.uri_column, key=args.key_column, prompt=args.prompt_column,
+        options=args.options_column,
+        metadata=tuple(c for item in args.metadata_columns for c in item.split(",") if c),
+    )  # fmt: skip
+
+
+def check_columns(spec: str, cols: Columns) -> None:
+    """Every column the options name is in the manifest, or one line says which is not.
+
+    Why before anything is posted: a misspelt `--uri-column` otherwise turns every row into an
+    `invalid_schema` failure, one by one, and a misspelt key or options column silently gives
+    other job ids or other jobs. A CSV header and a Parquet schema list the columns; a JSONL
+    manifest's are the keys its rows use (of its first `COLUMN_SAMPLE_ROWS` rows), and a
+    directory or glob has just `uri`."""
+    named = [
+        ("--uri-column", cols.uri), ("--key-column", cols.key),
+        ("--prompt-column", cols.prompt), ("--options-column", cols.options),
+        *(("--metadata-columns", c) for c in cols.metadata),
+    ]  # fmt: skip
+    found, where = _manifest_columns(spec)
+    if found is None:
+        return  # no rows at all: nothing to check, nothing will be posted
+    missing = [(flag, c) for flag, c in named if c is not None and c not in found]
+    if missing:
+        what = ", ".join(f"{c!r} ({flag})" for flag, c in missing)
+        raise ManifestError(
+            f"manifest {spec} has no column {what}; its columns{where}: "
+            f"{', '.join(found) or 'none'}"
+        )
+
+
+def _manifest_columns(spec: str) -> tuple[list[str] | None, str]:
+    """The manifest's column names (None for a manifest without rows) and where they come
+    from, for the message."""
+    kind = manifest_kind(spec)
+    if kind in ("dir", "glob"):
+        return ["uri"], " (a directory or glob gives one)"
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.ParquetFile(spec).schema_arrow.names), ""
+    if kind == "csv":
+        delimiter = "\t" if Path(spec).suffix.lower() == ".tsv" else ","
+        with open(spec, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f, delimiter=delimiter), None)
+        return header, ""
+    names: dict[str, None] = {}
+    rows = 0
+    for rows, doc in enumerate(_jsonl_rows(Path(spec)), 1):
+        names.update(dict.fromkeys(doc))
+        if rows == COLUMN_SAMPLE_ROWS:
+            break
+    return (list(names) if rows else None), f" (the keys of its first {rows:,} rows)"
+
+
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
@@ -202,10 +264,15 @@ class Planned:
 
     job_id: str
     key: str
+    index: int  # the row's 0-based position in the manifest
     source: str
     metadata: dict[str, Any]
     job: Job | None = None
     problem: str | None = None
+    #: What the row asks (media, prompt, task, options), hashed; it travels in the job's
+    #: metadata and comes back with the answer, so an answer is used only for the very question
+    #: the row asks now (a re-run with other options, under the same key, asks again).
+    fingerprint: str | None = None
 
 
 def job_id_for(name: str, key: str | None, identity: dict[str, Any]) -> str:
@@ -217,8 +284,7 @@ def job_id_for(name: str, key: str | None, identity: dict[str, Any]) -> str:
         if len(job_id) <= JOB_ID_MAX_LENGTH and not any(ord(c) < 0x20 for c in job_id):
             return job_id
         identity = {"key": key}
-    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
-    return f"{name}/{hashlib.sha256(canonical.encode()).hexdigest()[:32]}"
+    return f"{name}/{_digest(identity)[:32]}"
 
 
 def plan(row: Row, name: str, cols: Columns, defaults: Defaults, base: Path) -> Planned:
@@ -246,17 +312,25 @@ def plan(row: Row, name: str, cols: Columns, defaults: Defaults, base: Path) -> 
         uri = _uri(source, cols.uri, base)
     except ValueError as exc:
         job_id = job_id_for(name, given_key, {"row": fields})
-        return Planned(job_id, key, source, metadata, problem=str(exc))
-    job_id = job_id_for(name, given_key, {"uri": uri, **params})
+        return Planned(job_id, key, row.index, source, metadata, problem=str(exc))
+    identity = {"uri": uri, **params}
+    job_id = job_id_for(name, given_key, identity)
+    fingerprint = _digest(identity)[:16]
     try:
-        job = Job(job_id=job_id, media=[MediaRef(uri=uri)], metadata=metadata, **params)
+        job = Job(job_id=job_id, media=[MediaRef(uri=uri)],
+                  metadata={**metadata, "fingerprint": fingerprint}, **params)  # fmt: skip
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'job'}: {e['msg']}"
             for e in exc.errors(include_url=False)[:5]
         )
-        return Planned(job_id, key, source, metadata, problem=problems)
-    return Planned(job_id, key, source, metadata, job=job)
+        return Planned(job_id, key, row.index, source, metadata, problem=problems)
+    return Planned(job_id, key, row.index, source, metadata, job, fingerprint=fingerprint)
+
+
+def _digest(identity: dict[str, Any]) -> str:
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _uri(value: str, column: str, base: Path) -> str:
@@ -315,6 +389,7 @@ def output_row(doc: dict[str, Any]) -> dict[str, Any] | None:
         model=doc.get("model"), model_revision=doc.get("model_revision"),
         worker_id=doc.get("worker_id"), task=doc.get("task"),
         metadata=json.dumps(meta.get("columns") or {}, sort_keys=True),
+        fingerprint=_str(meta.get("fingerprint")),
     )  # fmt: skip
     if "code" in doc:
         row.update(
@@ -342,7 +417,8 @@ def local_failure(p: Planned) -> dict[str, Any]:
     """The output row of a manifest row that never became a job."""
     row: dict[str, Any] = dict.fromkeys(name for name, _ in OUTPUT_COLUMNS)
     row.update(
-        job_id=p.job_id, row=p.key, source=p.source, outcome="failed", code=INVALID_ROW,
+        job_id=p.job_id, row=p.key, row_number=p.index, source=p.source, outcome="failed",
+        code=INVALID_ROW,
         message=p.problem, retryable=False, attempts=0,
         metadata=json.dumps(p.metadata.get("columns") or {}, sort_keys=True),
     )  # fmt: skip
@@ -355,24 +431,52 @@ def _str(value: object) -> str | None:
 
 # --- the journal and the output -----------------------------------------------------------------
 
+#: What `State.answer` made of an answer.
+NEW, DUPLICATE, STALE = "new", "duplicate", "stale"
+
+
+class Sent(NamedTuple):
+    """A job posted and not yet answered: when, its payload (to post it again), what it asks."""
+
+    at: float
+    payload: bytes
+    fingerprint: str | None
+
+
+def answer_key(job_id: str, fingerprint: str | None) -> str:
+    """An answer stands for one job id asking one thing: both are its key."""
+    return f"{job_id}\0{fingerprint or ''}"
+
 
 @dataclass
 class State:
-    """What the output and the journal say: the rows answered, the jobs posted and not yet
-    answered (with their payloads and when they were posted), and the collector's positions."""
+    """What the output and the journal say: the answers (by job id and fingerprint), the jobs
+    posted and not yet answered, and the collector's positions."""
 
-    outcomes: dict[str, str] = field(default_factory=dict)  # job id -> "ok" or a failure code
-    posted: dict[str, tuple[float, bytes]] = field(default_factory=dict)
+    outcomes: dict[str, str] = field(default_factory=dict)  # answer key -> "ok" or a code
+    posted: dict[str, Sent] = field(default_factory=dict)  # job id -> what was posted
     positions: dict[str, int] = field(default_factory=dict)  # "topic:partition" -> next offset
 
-    def answer(self, row: dict[str, Any]) -> bool:
-        """Record an answer; False for a duplicate (at-least-once, or a job posted twice)."""
-        job_id = row["job_id"]
-        self.posted.pop(job_id, None)
-        if job_id in self.outcomes:
-            return False
-        self.outcomes[job_id] = "ok" if row["outcome"] == "ok" else str(row["code"])
-        return True
+    def answer(self, row: dict[str, Any]) -> str:
+        """Record an answer: NEW; DUPLICATE (at-least-once, or a job posted twice); STALE, the
+        answer to what an earlier run asked under this job id before the row changed (its
+        fingerprint is not the one posted now), which must not stand for the new question."""
+        job_id, fingerprint = row["job_id"], row.get("fingerprint")
+        sent = self.posted.get(job_id)
+        if sent is not None:
+            if fingerprint is None:  # a failure that lost the job's metadata: it is the posted
+                row["fingerprint"] = fingerprint = sent.fingerprint
+            if fingerprint != sent.fingerprint:
+                return STALE
+            del self.posted[job_id]
+        key = answer_key(job_id, fingerprint)
+        if key in self.outcomes:
+            return DUPLICATE
+        self.outcomes[key] = "ok" if row["outcome"] == "ok" else str(row["code"])
+        return NEW
+
+    def outcome(self, planned: Planned) -> str | None:
+        return self.outcomes.get(answer_key(planned.job_id, planned.fingerprint))
 
 
 def journal_path(out: Path) -> Path:
@@ -386,7 +490,8 @@ def load_state(out: Path) -> State:
     state = State()
     if out.exists():
         for row in read_output(out):
-            state.answer(row)
+            if row.get("code") != INVALID_ROW:  # re-checked on every run, never kept
+                state.answer(row)
     path = journal_path(out)
     if not path.exists():
         return state
@@ -404,8 +509,9 @@ def load_state(out: Path) -> State:
 def _apply(state: State, entry: dict[str, Any]) -> None:
     kind = entry["t"]
     if kind == "posted":
-        if entry["id"] not in state.outcomes:
-            state.posted[entry["id"]] = (entry["at"], entry["job"].encode())
+        fingerprint = entry.get("fp")
+        if answer_key(entry["id"], fingerprint) not in state.outcomes:
+            state.posted[entry["id"]] = Sent(entry["at"], entry["job"].encode(), fingerprint)
     elif kind == "answer":
         state.answer(entry["row"])
     elif kind == "positions":
@@ -454,22 +560,6 @@ def read_output(out: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def merged_rows(out: Path) -> Iterator[dict[str, Any]]:
-    """The earlier output's rows, then the journal's answers, each job id once (first wins)."""
-    seen: set[str] = set()
-    sources: list[Iterable[dict[str, Any]]] = []
-    if out.exists():
-        sources.append(read_output(out))
-    path = journal_path(out)
-    if path.exists():
-        sources.append(_journal_answers(path))
-    for source in sources:
-        for row in source:
-            if row["job_id"] not in seen:
-                seen.add(row["job_id"])
-                yield row
-
-
 def _journal_answers(path: Path) -> Iterator[dict[str, Any]]:
     with path.open("rb") as f:
         for line in f:
@@ -479,29 +569,161 @@ def _journal_answers(path: Path) -> Iterator[dict[str, Any]]:
                     yield entry["row"]
 
 
-def write_output(out: Path, fmt: str) -> int:
-    """Rewrite the output from itself and the journal (atomically: a kill mid-write leaves the
-    old output and the journal), then drop the journal. Returns the rows written."""
+class RowMissing(WorkerError):
+    """The final pass found a manifest row without an answer: the output is not written (the
+    journal stays, so the same command carries on)."""
+
+
+@dataclass
+class Written:
+    """What the final pass wrote: the counts the summary gives come from here, so they agree
+    with the output and the retry manifest by construction."""
+
+    rows: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    retry: Path | None = None
+    unused: int = 0  # answers of earlier runs that no manifest row asks for now
+
+
+def write_results(
+    out: Path, fmt: str, rows: Iterable[tuple[Row, Planned]], retry_path: Path
+) -> Written:
+    """Rewrite the output from the manifest, in its order, one row per job (a row whose job id
+    an earlier row has is that row's), with the answer to what each row asks now; write the
+    failed rows' original fields as the retry manifest in the same pass; then drop the journal.
+
+    Answers are looked up in an index on disk (the earlier output, then the journal: a later
+    answer replaces an earlier one), so a million rows are not held in memory. A kill before
+    the final rename leaves the old output and the journal as they were."""
+    index = _AnswerIndex(out.with_name(f".{out.name}.index"))
+    try:
+        if out.exists():
+            index.add(r for r in read_output(out) if r.get("code") != INVALID_ROW)
+        if journal_path(out).exists():
+            index.add(_journal_answers(journal_path(out)))
+        written = _write_in_order(out, fmt, rows, retry_path, index)
+        written.unused = index.size() - index.used
+    finally:
+        index.close()
+    with contextlib.suppress(FileNotFoundError):
+        journal_path(out).unlink()
+    return written
+
+
+def _write_in_order(
+    out: Path, fmt: str, rows: Iterable[tuple[Row, Planned]], retry_path: Path,
+    index: _AnswerIndex,
+) -> Written:  # fmt: skip
     tmp = out.with_name(f".{out.name}.tmp")
-    written = 0
+    retry_tmp = retry_path.with_name(f".{retry_path.name}.tmp")
+    try:
+        return _write_files(out, fmt, rows, retry_path, index, tmp, retry_tmp)
+    finally:
+        tmp.unlink(missing_ok=True)
+        retry_tmp.unlink(missing_ok=True)
+
+
+def _write_files(
+    out: Path, fmt: str, rows: Iterable[tuple[Row, Planned]], retry_path: Path,
+    index: _AnswerIndex, tmp: Path, retry_tmp: Path,
+) -> Written:  # fmt: skip
+    written = Written()
+    emitted: set[str] = set()
+
+    def ordered() -> Iterator[dict[str, Any]]:
+        with retry_tmp.open("w", encoding="utf-8") as retry:
+            for row, planned in rows:
+                if planned.job_id in emitted:
+                    continue  # the job of an earlier row (the same key, or the same question)
+                emitted.add(planned.job_id)
+                result = _result_for(planned, index)
+                written.rows += 1
+                written.outcomes["ok" if result["outcome"] == "ok" else str(result["code"])] += 1
+                if result["outcome"] != "ok":
+                    retry.write(json.dumps(row.fields, default=str) + "\n")
+                yield result
+
+    write_rows(tmp, fmt, ordered())
+    failed = written.rows - written.outcomes["ok"]
+    if failed:
+        os.replace(retry_tmp, retry_path)
+        written.retry = retry_path
+    else:
+        retry_tmp.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            retry_path.unlink()
+    os.replace(tmp, out)
+    return written
+
+
+def write_rows(path: Path, fmt: str, rows: Iterable[dict[str, Any]]) -> None:
+    """Output rows as Parquet or JSONL, with the output's columns in their order."""
     if fmt == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in OUTPUT_COLUMNS])
-        with pq.ParquetWriter(tmp, schema) as writer:
-            for chunk in _chunks(merged_rows(out), 8192):
+        with pq.ParquetWriter(path, schema) as writer:
+            for chunk in _chunks(rows, 8192):
                 writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
-                written += len(chunk)
     else:
-        with tmp.open("w", encoding="utf-8") as f:
-            for row in merged_rows(out):
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
                 f.write(json.dumps({name: row.get(name) for name, _ in OUTPUT_COLUMNS}) + "\n")
-                written += 1
-    os.replace(tmp, out)
-    with contextlib.suppress(FileNotFoundError):
-        journal_path(out).unlink()
-    return written
+
+
+def _result_for(planned: Planned, index: _AnswerIndex) -> dict[str, Any]:
+    """The output row of one manifest row: its answer, under the row's own key, number, source
+    and metadata columns as the manifest has them now."""
+    if planned.problem is not None:
+        return local_failure(planned)
+    found = index.get(answer_key(planned.job_id, planned.fingerprint))
+    if found is None:
+        raise RowMissing(
+            f"manifest row {planned.index} ({planned.job_id}) has no answer: the output was not "
+            "written; run the same command again"
+        )
+    found.update(
+        row=planned.key, row_number=planned.index, source=planned.source,
+        metadata=json.dumps(planned.metadata.get("columns") or {}, sort_keys=True),
+    )  # fmt: skip
+    return found
+
+
+class _AnswerIndex:
+    """Answers by answer key in a scratch SQLite file beside the output."""
+
+    def __init__(self, path: Path) -> None:
+        import sqlite3
+
+        self.path = path
+        path.unlink(missing_ok=True)
+        self._db = sqlite3.connect(path)
+        self._db.execute("PRAGMA journal_mode=OFF")
+        self._db.execute("PRAGMA synchronous=OFF")
+        self._db.execute("CREATE TABLE answers (k TEXT PRIMARY KEY, row TEXT)")
+        self.used = 0
+
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
+        self._db.executemany(
+            "INSERT OR REPLACE INTO answers VALUES (?, ?)",
+            ((answer_key(r["job_id"], r.get("fingerprint")), json.dumps(r)) for r in rows),
+        )
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        found = self._db.execute("SELECT row FROM answers WHERE k = ?", (key,)).fetchone()
+        if found is None:
+            return None
+        self.used += 1
+        row: dict[str, Any] = json.loads(found[0])
+        return row
+
+    def size(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM answers").fetchone()[0])
+
+    def close(self) -> None:
+        self._db.close()
+        self.path.unlink(missing_ok=True)
 
 
 def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
@@ -515,11 +737,11 @@ def _chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str
         yield chunk
 
 
-def repost_due(posted: dict[str, tuple[float, bytes]], now: float, grace_s: float) -> list[str]:
+def repost_due(posted: dict[str, Sent], now: float, grace_s: float) -> list[str]:
     """Jobs an earlier run posted that still have no answer once the collector has caught up,
     and were posted at least `grace_s` ago: the ones younger than that may still be on their
     way through a worker, and re-posting them would only make duplicates."""
-    return [job_id for job_id, (at, _) in posted.items() if now - at >= grace_s]
+    return [job_id for job_id, sent in posted.items() if now - sent.at >= grace_s]
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -527,15 +749,19 @@ def repost_due(posted: dict[str, tuple[float, bytes]], now: float, grace_s: floa
 
 @dataclass
 class Tally:
-    """Counts for the progress bar and the summary."""
+    """Counts for the progress line and the summary."""
 
     total: int | None
+    done: int = 0  # manifest rows of this manifest whose outcome is known
     posted: int = 0  # this run, re-posts included
     reposted: int = 0
     answered: int = 0  # this run
     duplicates: int = 0  # answers dropped: that job id was answered already
+    stale: int = 0  # answers to what a row asked before it changed, dropped
     duplicate_rows: int = 0  # manifest rows whose job id an earlier row already has
-    outcomes: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)  # this run's, invalid rows included
+    #: Jobs of rows passed by the planner that still wait for their answer.
+    awaiting: set[str] = field(default_factory=set)
 
 
 def backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
@@ -550,18 +776,14 @@ def backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
 
 
 def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
-    from kafka import KafkaProducer
-    from tqdm import tqdm
+    from mmworker.progress import progress
 
     out = Path(args.out)
     fmt = output_format(out, args.format)
     spec = str(args.manifest)
     name = args.name or _default_name(spec)
-    cols = Columns(
-        uri=args.uri_column, key=args.key_column, prompt=args.prompt_column,
-        options=args.options_column,
-        metadata=tuple(c for item in args.metadata_columns for c in item.split(",") if c),
-    )  # fmt: skip
+    cols = columns_from(args)
+    check_columns(spec, cols)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "seed": args.seed}  # fmt: skip
     defaults = Defaults(
@@ -569,33 +791,33 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         generation={k: v for k, v in sampling.items() if v is not None},
     )  # fmt: skip
     base = Path(spec).parent if manifest_kind(spec) not in ("dir", "glob") else Path.cwd()
+
+    def planned_rows() -> Iterator[tuple[Row, Planned]]:
+        for row in read_manifest(spec):
+            yield row, plan(row, name, cols, defaults, base)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     state = load_state(out)
     tally = Tally(total=count_rows(spec))
     collector = Collector(cfg, [cfg.kafka.output_topic, cfg.kafka.dead_letter_topic], name, state)
     journal = Journal(out)
-    producer = KafkaProducer(
-        acks="all", linger_ms=20, max_block_ms=cfg.kafka.max_block_ms,
-        max_request_size=cfg.kafka.max_request_size, **cfg.kafka.client_kwargs(),
-    )  # fmt: skip
     topic = args.topic or cfg.kafka.backfill_topic or cfg.kafka.input_topic
-    poster = Poster(producer, topic, journal, state)
+    poster = Poster(cfg, topic, journal, state)
+    link = BrokerLink(f"kafka.bootstrap_servers={cfg.kafka.bootstrap_servers}")
     started = time.monotonic()
-    bar = tqdm(total=tally.total, unit="row", desc=f"backfill {name}", file=sys.stderr,
-               initial=len(state.outcomes), smoothing=0.1)  # fmt: skip
-    plans = (plan(row, name, cols, defaults, base) for row in read_manifest(spec))
+    bar = progress(tally.total, f"backfill {name}", "row")
     try:
-        _pump(plans, state, tally, collector, poster, args.window, args.grace, bar)
+        plans = (p for _, p in planned_rows())
+        _pump(plans, state, tally, collector, poster, args.window, args.grace, bar, link)
     finally:
         bar.close()
         journal.close()
         collector.close()
-        close_producer(producer)
-    written = write_output(out, fmt)
-    failed = {job_id for job_id, outcome in state.outcomes.items() if outcome != "ok"}
-    retry = _write_retry_manifest(out, spec, name, cols, defaults, base, failed)
-    _summary(name, out, written, retry, tally, state, time.monotonic() - started)
-    return 1 if failed else 0
+        poster.close()
+    retry_path = out.with_name(out.stem + ".retry.jsonl")
+    written = write_results(out, fmt, planned_rows(), retry_path)
+    _summary(name, out, written, tally, time.monotonic() - started)
+    return 1 if written.rows - written.outcomes["ok"] else 0
 
 
 def close_producer(producer: Any) -> None:
@@ -619,11 +841,14 @@ def close_producer(producer: Any) -> None:
 
 def _pump(
     plans: Iterator[Planned], state: State, tally: Tally, collector: Collector, poster: Poster,
-    window: int, grace_s: float, bar: Any,
+    window: int, grace_s: float, bar: Any, link: BrokerLink,
 ) -> None:  # fmt: skip
     """Post while the window has room, collect answers, until every row has its answer. Jobs
     an earlier run left unanswered hold their places in the window; once the collector has
-    caught up, those past the grace period are posted again."""
+    caught up, those past the grace period are posted again. Once every row is planned, the
+    earlier run's jobs that no row asks for any more are let go (their answers, should they
+    come, are not waited for). While the brokers are gone it keeps trying, and once they are
+    back the jobs still unanswered are treated as on a resume."""
     stale = set(state.posted)
     seen: set[str] = set()
     exhausted = False
@@ -632,88 +857,212 @@ def _pump(
         stale &= state.posted.keys()
         due = repost_due({k: state.posted[k] for k in stale}, time.time(), grace_s)
         stale.difference_update(due)
-        batch = [(job_id, state.posted[job_id][1]) for job_id in due]
+        batch = [(job_id, state.posted[job_id].payload, state.posted[job_id].fingerprint)
+                 for job_id in due]  # fmt: skip
         tally.reposted += len(due)
-        room = window - len(state.posted)  # re-posts hold their places already
+        room = window - len(state.posted) - len(poster.pending)  # re-posts hold theirs
         while not exhausted and room > 0:
-            planned = _next_job(plans, state, seen, poster.journal, tally)
+            planned = _next_job(plans, state, seen, tally)
             if planned is None:
                 exhausted = True
+                for job_id in state.posted.keys() - seen:
+                    del state.posted[job_id]
             elif planned.job is not None:
-                batch.append((planned.job_id, planned.job.model_dump_json(exclude_defaults=True)
-                              .encode()))  # fmt: skip
+                payload = planned.job.model_dump_json(exclude_defaults=True).encode()
+                batch.append((planned.job_id, payload, planned.fingerprint))
                 room -= 1
-        poster.post(batch)
-        tally.posted += len(batch)
-        if exhausted and not state.posted:
+        sent = len(poster.pending) + len(batch)
+        posted = poster.post(batch)
+        tally.posted += sent if posted else 0
+        if exhausted and not state.posted and not poster.pending:
             break
         collector.poll(poster.journal, tally, timeout_ms=200)
+        connected = collector.connected()
+        if link.observe(posted and connected, poster.failure or "no connection"):
+            stale |= state.posted.keys()  # a broker that restarted empty lost them
         _show(bar, tally, state)
     _show(bar, tally, state)
 
 
 def _next_job(
-    plans: Iterator[Planned], state: State, seen: set[str], journal: Journal, tally: Tally
+    plans: Iterator[Planned], state: State, seen: set[str], tally: Tally
 ) -> Planned | None:
-    """The next row that needs posting; rows that are answered, already posted, duplicates of
-    an earlier row, or not jobs at all (journaled as failures at once) are passed over."""
+    """The next row that needs posting. Passed over: rows whose question has its answer,
+    rows whose job is posted and unanswered with the same question, duplicates of an earlier
+    row, and rows that are no jobs at all (the final pass writes their failure). A row whose job
+    id was posted with another question (its options changed meanwhile) is posted again: the
+    earlier answer, when it comes, is stale."""
     for planned in plans:
         if planned.job_id in seen:
             tally.duplicate_rows += 1
+            tally.done += 1
             continue
         seen.add(planned.job_id)
-        if planned.job_id in state.outcomes or planned.job_id in state.posted:
-            continue
         if planned.job is None:
-            failure = local_failure(planned)
-            journal.write([{"t": "answer", "row": failure}])
-            state.answer(failure)
             tally.outcomes[INVALID_ROW] += 1
+            tally.done += 1
+            continue
+        if state.outcome(planned) is not None:
+            tally.done += 1
+            continue
+        tally.awaiting.add(planned.job_id)
+        sent = state.posted.get(planned.job_id)
+        if sent is not None and sent.fingerprint == planned.fingerprint:
             continue
         return planned
     return None
 
 
-@dataclass
 class Poster:
-    """Posts batches of jobs; the journal follows what the broker has acknowledged."""
+    """Posts batches of jobs; the journal follows what the broker has acknowledged. The
+    producer is made at the first batch: a re-run that has nothing to post opens none. A batch
+    the brokers do not take (they are gone) is kept and posted again at the next call."""
 
-    producer: Any
-    topic: str
-    journal: Journal
-    state: State
+    def __init__(self, cfg: WorkerConfig, topic: str, journal: Journal, state: State) -> None:
+        self._cfg = cfg
+        self.topic = topic
+        self.journal = journal
+        self.state = state
+        self.failure = ""  # why the last batch did not go out
+        self.pending: list[tuple[str, bytes, str | None]] = []
+        self._producer: Any = None
+        self._delivered = False  # once the topic took a batch, a failure is a lost broker
+        self._refusals = 0  # failures in a row that no lost connection explains
 
-    def post(self, batch: list[tuple[str, bytes]]) -> None:
-        """Send, wait for the broker's acknowledgement, then journal: a job is journaled as
-        posted only once it is in the topic (a kill in between re-posts it: a duplicate, never
-        a loss)."""
-        if not batch:
-            return
-        from mmworker.kafka_io import post_acknowledged
+    def post(self, batch: list[tuple[str, bytes, str | None]]) -> bool:
+        """Send what is pending and `batch`, wait for the broker's acknowledgement, then
+        journal: a job is journaled as posted only once it is in the topic (a kill in between
+        re-posts it: a duplicate, never a loss). False when the brokers did not take it."""
+        from kafka.errors import KafkaError
 
+        self.pending += batch
+        if not self.pending:
+            return True
         now = time.time()
-        post_acknowledged(
-            self.producer,
-            self.topic,
-            [(job_id.encode(), value, []) for job_id, value in batch],
-            "create it (the worker does with --create-topics N), or name another with --topic",
-        )
+        try:
+            self._send(self.pending)
+        except KafkaError as exc:
+            transient = _transient(exc)
+            self._refusals = 0 if transient else self._refusals + 1
+            if not self._delivered or self._refusals > REFUSALS:
+                raise ConfigError(
+                    f"cannot post to topic {self.topic!r} ({type(exc).__name__}: {exc}): create "
+                    "it (the worker does with --create-topics N), or name another with --topic"
+                ) from exc
+            if not transient:
+                # The topic took batches before: a broker that restarted without the
+                # producer's state (the in-memory test broker answers InitProducerId with an
+                # unknown error) is cured by a fresh producer; a real refusal repeats.
+                self._drop_producer()
+            self.failure = f"{type(exc).__name__} while posting"
+            return False
+        self._delivered = True
+        self._refusals = 0
+        self.failure = ""
         self.journal.write(
-            {"t": "posted", "id": job_id, "at": now, "job": value.decode()}
-            for job_id, value in batch
+            {"t": "posted", "id": job_id, "at": now, "fp": fp, "job": value.decode()}
+            for job_id, value, fp in self.pending
         )
-        for job_id, value in batch:
-            self.state.posted[job_id] = (now, value)
+        for job_id, value, fp in self.pending:
+            self.state.posted[job_id] = Sent(now, value, fp)
+        self.pending = []
+        return True
+
+    def _send(self, batch: list[tuple[str, bytes, str | None]]) -> None:
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            kafka = self._cfg.kafka
+            self._producer = KafkaProducer(
+                acks="all", linger_ms=20, max_block_ms=kafka.max_block_ms,
+                max_request_size=kafka.max_request_size, **kafka.client_kwargs(),
+            )  # fmt: skip
+        futures = [self._producer.send(self.topic, key=k.encode(), value=v) for k, v, _ in batch]
+        self._producer.flush(timeout=30)
+        for future in futures:
+            future.get(timeout=30)
+
+    def _drop_producer(self) -> None:
+        from kafka.errors import KafkaError
+
+        producer, self._producer = self._producer, None
+        try:
+            producer.close(timeout=1)
+        except KafkaError as exc:  # its unacknowledged batch is pending here, posted again
+            logging.getLogger(__name__).debug("closing a producer the broker forgot: %r", exc)
+
+    def close(self) -> None:
+        if self._producer is not None:
+            close_producer(self._producer)
+
+
+#: Posting failures in a row, each with a fresh producer, that are not a lost connection, a
+#: time-out or a retriable error, before the backfill stops with the error.
+REFUSALS = 3
+
+
+def _transient(exc: BaseException) -> bool:
+    """A failure a broker that is gone, or not back yet, causes; not a wrong setting."""
+    from kafka.errors import KafkaConnectionError, KafkaTimeoutError
+
+    return isinstance(exc, KafkaConnectionError | KafkaTimeoutError) or bool(
+        getattr(exc, "retriable", False)
+    )
+
+
+class BrokerLink:
+    """One line of the command's own when the brokers are gone, and one when they are back.
+
+    kafka-python retries by itself and logs every attempt (issue #35: dozens of lines a minute,
+    none saying what happens to the backfill). A loss is reported once it has lasted `after_s`:
+    kafka-python also drops and remakes connections by itself, which is no loss."""
+
+    def __init__(
+        self, where: str, after_s: float = 3.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._where = where
+        self._after_s = after_s
+        self._clock = clock
+        self._down_since: float | None = None
+        self.reported = False
+        self.outages = 0
+
+    def observe(self, up: bool, why: str) -> bool:
+        """Note whether the brokers answer now (`why` they do not); True once, when they are
+        back after a loss that was reported."""
+        now = self._clock()
+        if up:
+            since, self._down_since = self._down_since, None
+            if since is None or not self.reported:
+                return False
+            self.reported = False
+            print(
+                f"mmworker backfill: the brokers are back after {now - since:.0f}s; jobs still "
+                "unanswered are posted again once --grace has passed since they were posted (a "
+                "broker that restarted empty has lost them)",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            return True
+        if self._down_since is None:
+            self._down_since = now
+        if not self.reported and now - self._down_since >= self._after_s:
+            self.reported = True
+            self.outages += 1
+            print(
+                f"mmworker backfill: lost the brokers ({self._where}; {why}): waiting for them "
+                "to come back; the journal keeps every job posted and every answer",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+        return False
 
 
 def _show(bar: Any, tally: Tally, state: State) -> None:
     failed = sum(n for code, n in tally.outcomes.items() if code != "ok")
-    bar.n = len(state.outcomes) + tally.duplicate_rows
-    bar.set_postfix(
-        posted=tally.posted, answered=tally.answered, failed=failed, outstanding=len(state.posted),
-        refresh=False,
-    )  # fmt: skip
-    bar.refresh()
+    bar.set_postfix_str(
+        f"posted={tally.posted}, answered={tally.answered}, failed={failed}, "
+        f"outstanding={len(state.posted)}"
+    )
+    bar.set_count(tally.done)
 
 
 def _default_name(spec: str) -> str:
@@ -724,41 +1073,26 @@ def _default_name(spec: str) -> str:
     return stem or "backfill"
 
 
-def _write_retry_manifest(
-    out: Path, spec: str, name: str, cols: Columns, defaults: Defaults, base: Path,
-    failed: set[str],
-) -> Path | None:  # fmt: skip
-    """The failed rows as a JSONL manifest with the original columns, in manifest order: run
-    it with the same column flags (and a new --out) once the cause is fixed."""
-    path = out.with_name(out.stem + ".retry.jsonl")
-    if not failed:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return None
-    with path.open("w", encoding="utf-8") as f:
-        for row in read_manifest(spec):
-            if plan(row, name, cols, defaults, base).job_id in failed:
-                f.write(json.dumps(row.fields, default=str) + "\n")
-    return path
-
-
-def _summary(
-    name: str, out: Path, written: int, retry: Path | None, tally: Tally, state: State,
-    elapsed: float,
-) -> None:  # fmt: skip
-    outcomes = Counter(state.outcomes.values())
+def _summary(name: str, out: Path, written: Written, tally: Tally, elapsed: float) -> None:
+    """Counts of the output as written (they agree with the retry manifest), then this run's."""
+    outcomes = Counter(written.outcomes)
     ok = outcomes.pop("ok", 0)
     failed = ", ".join(f"{code} {n}" for code, n in sorted(outcomes.items()))
     lines = [
-        f"backfill {name}: {written} rows in {out}: {ok} ok, {sum(outcomes.values())} failed"
+        f"backfill {name}: {written.rows} rows in {out}: {ok} ok, {sum(outcomes.values())} failed"
         + (f" ({failed})" if failed else ""),
         f"this run: {tally.posted} posted ({tally.reposted} re-posted), {tally.answered} "
         f"answered in {elapsed:.1f}s ({tally.answered / max(elapsed, 1e-9):.1f} rows/s); "
         f"{tally.duplicates} duplicate answers dropped; {tally.duplicate_rows} manifest rows "
         "had the job id of an earlier row (the same key, or the same URI, prompt and options)",
     ]
-    if retry is not None:
-        lines.append(f"retry manifest of the failed rows: {retry}")
+    if written.unused or tally.stale:
+        lines.append(
+            f"{written.unused} earlier answers left out of the output and {tally.stale} stale "
+            "answers dropped: their rows ask something else now, or are no longer in the manifest"
+        )
+    if written.retry is not None:
+        lines.append(f"retry manifest of the {sum(outcomes.values())} failed rows: {written.retry}")
     print("\n".join(lines), file=sys.stderr)
 
 
@@ -819,20 +1153,36 @@ class Collector:
                 row = self._ours(record.value)
                 if row is None:
                     continue
-                if self._state.answer(row):
+                verdict = self._state.answer(row)
+                if verdict == NEW:
                     entries.append({"t": "answer", "row": row})
                     tally.answered += 1
                     tally.outcomes["ok" if row["outcome"] == "ok" else str(row["code"])] += 1
+                    if row["job_id"] in tally.awaiting:
+                        tally.awaiting.discard(row["job_id"])
+                        tally.done += 1
+                elif verdict == STALE:
+                    tally.stale += 1
                 else:
                     tally.duplicates += 1
-        positions = {
-            f"{tp.topic}:{tp.partition}": self._consumer.position(tp)
-            for tp in self._consumer.assignment()
-        }
+        positions = dict(self._state.positions)
+        for tp in self._consumer.assignment():
+            # Bounded: with the brokers gone, a position being reset (a topic that came back
+            # empty) waits for an answer; the journal keeps the last known one meanwhile.
+            position = self._consumer.position(tp, timeout_ms=POSITION_MS)
+            if position is not None:
+                positions[f"{tp.topic}:{tp.partition}"] = position
         if entries or positions != self._state.positions:
             self._state.positions = positions
             journal.write([*entries, {"t": "positions", "pos": positions}])
         return read
+
+    def connected(self) -> bool:
+        """Whether the reader holds a connection to a broker now. kafka-python retries on its
+        own and says so per attempt; this is what the backfill's one line of its own is based
+        on (private API of the pinned release, hence here)."""
+        conns = self._consumer._manager._conns.values()
+        return any(getattr(conn, "connected", False) for conn in conns)
 
     def _ours(self, value: bytes | None) -> dict[str, Any] | None:
         if not value:
@@ -846,4 +1196,39 @@ class Collector:
         return output_row(doc)
 
     def close(self) -> None:
-        self._consumer.close()
+        close_reader(self._consumer)
+
+
+#: How long the collector waits for a partition's position (journaled after each poll).
+POSITION_MS = 200
+#: How long a reader's close waits for a metadata request in flight to be answered.
+SETTLE_MS = 2000
+
+
+def close_reader(consumer: Any, settle_ms: int = SETTLE_MS) -> None:
+    """Close a consumer that is in no group without kafka-python's close-time noise.
+
+    Issue #35: re-running a finished backfill printed a traceback one run in four or eight
+    (`AttributeError: 'NoneType' object has no attribute 'recv'`, then `ERROR kafka.cluster:
+    Metadata refresh: failed Cancelled`). kafka-python 3 drives a consumer's sockets from an I/O
+    thread, while `close()` closes them from the caller's: a read woken by the close finds its
+    socket gone, and a metadata request in flight (the consumer asks for one as it is assigned
+    its partitions) is cancelled and logged as an error. So: wait, on the I/O thread, for the
+    metadata request in flight (up to `settle_ms`; a broker that does not answer by then is
+    gone, and the cancel is the truth), stop the I/O thread, and close with nothing running
+    beside the close. Private API of the pinned release (3.0.12), hence the one place."""
+    from kafka.errors import KafkaError
+
+    manager, cluster = consumer._manager, consumer._cluster
+
+    async def settle() -> None:
+        pending = cluster._refresh_future
+        if pending is not None and not pending.is_done:
+            await manager.wait_for(pending, settle_ms)
+
+    try:
+        manager.run(settle)
+    except KafkaError as exc:  # failed or timed out: its own error line says so; close anyway
+        logging.getLogger(__name__).debug("metadata request in flight at close: %r", exc)
+    consumer._net.stop()
+    consumer.close()

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -208,13 +213,32 @@ def _replay(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         retryable_only=args.retryable_only,
     )
     topic = args.topic or cfg.kafka.input_topic
+    target = Path(args.backfill_out) if getattr(args, "backfill_out", None) else None
+    failed_rows = backfill_failures(target) if target is not None else None
     found = scan(cfg, selection)
+    if failed_rows is not None:  # only the failures that are that output's failed rows
+        found.chosen = {
+            k: (f, where)
+            for k, (f, where) in found.chosen.items()
+            if k in failed_rows and f.metadata.get("fingerprint") == failed_rows[k]
+        }
     refused = {k: why for k, (f, _) in found.chosen.items() if (why := refusal(f)) is not None}
     for key, why in refused.items():
         print(f"refused {key} ({found.chosen[key][0].code.value}): {why}", file=sys.stderr)
     todo = [(k, f, where) for k, (f, where) in found.chosen.items() if k not in refused]
+    unanswered = 0
     if todo and not args.dry_run:
-        _post(cfg, topic, todo)
+        reader = AnswerReader(cfg) if failed_rows is not None else None
+        try:
+            _post(cfg, topic, todo)
+            if reader is not None and target is not None:
+                expected = {k: _replays(replay_payload(f)) for k, f, _ in todo}
+                answers = reader.collect(expected, args.wait)
+                unanswered = len(expected) - len(answers)
+                update_backfill_output(target, answers, args.wait, unanswered)
+        finally:
+            if reader is not None:
+                reader.close()
     verb = "would replay" if args.dry_run else "replayed"
     for key, failure, _ in todo:
         print(f"{verb}\t{key}\t{failure.code.value}\t{failure.failed_at.isoformat()}")
@@ -228,4 +252,159 @@ def _replay(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         + (f", {found.unreadable} not failures" if found.unreadable else ""),
         file=sys.stderr,
     )  # fmt: skip
-    return 1 if refused else 0
+    return 1 if refused or unanswered else 0
+
+
+# --- a replay that updates a finished backfill's output (--backfill-out) ------------------------
+
+
+def backfill_failures(out: Path) -> dict[str, str | None]:
+    """The job ids of the failed rows of a finished backfill's output, with what each row asks
+    (its fingerprint): what `--backfill-out` replays, and only a failure of that very question
+    (rows that never became jobs, `invalid_schema`, have nothing on the dead-letter topic). An
+    unfinished backfill is refused: its own run collects the answers."""
+    from mmworker.backfill import INVALID_ROW, journal_path, read_output
+
+    if not out.exists():
+        raise ConfigError(f"--backfill-out {out}: no such file")
+    if journal_path(out).exists():
+        raise ConfigError(
+            f"--backfill-out {out}: that backfill is not finished ({journal_path(out).name} "
+            "is there); run its command again to finish it first"
+        )
+    return {
+        str(r["job_id"]): r.get("fingerprint")
+        for r in read_output(out)
+        if r.get("outcome") == "failed" and r.get("code") != INVALID_ROW
+    }
+
+
+def _replays(payload: bytes) -> int | None:
+    """`metadata.replays` of a payload as posted: its answer carries the same count, which is
+    how an answer to this replay is told from the earlier failure it replays."""
+    try:
+        doc = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    meta = doc.get("metadata") if isinstance(doc, dict) else None
+    replays = meta.get("replays") if isinstance(meta, dict) else None
+    return replays if isinstance(replays, int) else None
+
+
+class AnswerReader:
+    """Reads the output and dead-letter topics from where they end before the replay posts
+    (no consumer group), for the answers to the replayed jobs."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        from kafka import KafkaConsumer
+        from kafka.structs import TopicPartition
+
+        self._consumer = KafkaConsumer(
+            group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+            fetch_max_bytes=cfg.kafka.fetch_max_bytes,
+            max_partition_fetch_bytes=cfg.kafka.max_partition_fetch_bytes,
+            **cfg.kafka.client_kwargs(),
+        )  # fmt: skip
+        parts = []
+        for topic in (cfg.kafka.output_topic, cfg.kafka.dead_letter_topic):
+            found = self._consumer.partitions_for_topic(topic) or set()
+            parts += [TopicPartition(topic, p) for p in sorted(found)]
+        self._consumer.assign(parts)
+        # Tansu reports an end short of the true one (its last batch's first offset + 1), so a
+        # record from before may be read again: the replay count tells it apart.
+        for tp, end in self._consumer.end_offsets(parts).items():
+            self._consumer.seek(tp, end)
+
+    def collect(self, expected: dict[str, int | None], wait_s: float) -> dict[str, dict[str, Any]]:
+        """Output rows by job id, for the jobs in `expected` whose answer carries the replay
+        count they were posted with; until all have one or `wait_s` has passed."""
+        from mmworker.backfill import output_row
+
+        answers: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + wait_s
+        while len(answers) < len(expected) and time.monotonic() < deadline:
+            for records in self._consumer.poll(timeout_ms=500, max_records=2048).values():
+                for record in records:
+                    try:
+                        doc = json.loads(record.value or b"")
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        continue  # not a worker's record
+                    if not isinstance(doc, dict):
+                        continue
+                    job_id = str(doc.get("job_id"))
+                    meta = doc.get("metadata")
+                    replays = meta.get("replays") if isinstance(meta, dict) else None
+                    if (
+                        job_id in expected
+                        and job_id not in answers
+                        and (replays == expected[job_id])
+                    ):
+                        row = output_row(doc)
+                        if row is not None:
+                            answers[job_id] = row
+        return answers
+
+    def close(self) -> None:
+        from mmworker.backfill import close_reader
+
+        close_reader(self._consumer)
+
+
+def update_backfill_output(
+    out: Path, answers: dict[str, dict[str, Any]], wait_s: float, unanswered: int
+) -> None:
+    """Rewrite the output with the replays' answers in their rows (same order, same row, row
+    number, source and metadata columns), atomically, and drop the rows that are ok now from
+    the retry manifest, which lists the failed rows in the same order."""
+    from mmworker.backfill import PARQUET_SUFFIXES, read_output, write_rows
+
+    fmt = "parquet" if out.suffix.lower() in PARQUET_SUFFIXES else "jsonl"
+    retry = out.with_name(out.stem + ".retry.jsonl")
+    retry_lines = retry.read_text(encoding="utf-8").splitlines(True) if retry.exists() else []
+    failed_before = sum(1 for r in read_output(out) if r.get("outcome") == "failed")
+    keep_retry = len(retry_lines) == failed_before
+    kept: list[str] = []
+    now_ok = 0
+
+    def rows() -> Iterator[dict[str, Any]]:
+        nonlocal now_ok
+        position = 0
+        for before in read_output(out):
+            was_failed = before.get("outcome") == "failed"
+            answer = answers.get(str(before["job_id"])) if was_failed else None
+            row = before
+            if answer is not None:
+                keep = {k: before[k] for k in ("row", "row_number", "source", "metadata")}
+                fingerprint = answer.get("fingerprint") or before.get("fingerprint")
+                row = {**answer, **keep, "fingerprint": fingerprint}
+                now_ok += row["outcome"] == "ok"
+            if was_failed:
+                if keep_retry and row["outcome"] != "ok":
+                    kept.append(retry_lines[position])
+                position += 1
+            yield row
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        write_rows(tmp, fmt, rows())
+        if keep_retry and retry_lines:
+            if kept:
+                retry_tmp = retry.with_name(f".{retry.name}.tmp")
+                retry_tmp.write_text("".join(kept), encoding="utf-8")
+                os.replace(retry_tmp, retry)
+            else:
+                retry.unlink()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    note = "" if keep_retry else f"; {retry.name} left as it was (it does not match the output)"
+    late = (
+        f"; {unanswered} not answered within --wait {wait_s:g}s (their rows stay failed: run the "
+        "same replay again later)"
+        if unanswered
+        else ""
+    )
+    print(
+        f"updated {out}: {len(answers)} rows answered again, {now_ok} of them ok now{late}{note}",
+        file=sys.stderr,
+    )

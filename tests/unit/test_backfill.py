@@ -15,16 +15,24 @@ from mmworker.schemas import Failure, Job, Result, SourceCoords, Timings, Usage
 from mmworker.schemas.codes import ErrorCode
 
 from mmworker.backfill import (
+    DUPLICATE,
     INVALID_ROW,
+    NEW,
     OUTPUT_COLUMNS,
+    STALE,
     Columns,
     Defaults,
     Journal,
     ManifestError,
+    Planned,
     Row,
+    RowMissing,
+    Sent,
     State,
     Tally,
     _next_job,
+    answer_key,
+    check_columns,
     count_rows,
     journal_path,
     load_state,
@@ -33,7 +41,7 @@ from mmworker.backfill import (
     plan,
     read_manifest,
     repost_due,
-    write_output,
+    write_results,
 )
 from mmworker.devkit.samples import sample_image
 
@@ -85,8 +93,10 @@ def test_each_manifest_format_gives_the_same_jobs(tmp_path: Path, kind: str) -> 
     assert c.media[0].uri == "https://example.org/c.jpg"
     assert (a.generation.max_tokens, b.generation.max_tokens) == (4, 16)  # the row's wins
     assert (b.task, b.generation.seed) == ("tags", 3)
+    assert a.metadata is not None
     assert a.metadata == {"source": "img/a.jpg", "backfill": "bf", "row": "a",
-                          "columns": {"album": "x"}}  # fmt: skip
+                          "columns": {"album": "x"},
+                          "fingerprint": a.metadata["fingerprint"]}  # fmt: skip
 
 
 def test_a_directory_or_glob_is_its_media_files_by_content(tmp_path: Path) -> None:
@@ -186,57 +196,147 @@ def test_output_rows_from_results_and_failures() -> None:
     assert output_row({"job_id": "bf/x"}) is None  # neither a result nor a failure
 
 
+def _answer(p: Planned, text: str) -> dict[str, object]:
+    """The output row of a worker's answer to planned row `p`."""
+    meta = p.job.metadata if p.job is not None else {}
+    result = _result(p.job_id, text).model_copy(update={"metadata": meta})
+    row = output_row(json.loads(result.model_dump_json(by_alias=True)))
+    assert row is not None
+    return row
+
+
+def _manifest(tmp: Path, n: int) -> tuple[Path, list[tuple[Row, Planned]]]:
+    path = tmp / "m.jsonl"
+    path.write_text("".join(json.dumps({"k": f"r{i}", "uri": f"{i}.jpg"}) + "\n"
+                            for i in range(n)))  # fmt: skip
+    cols = Columns(key="k")
+    return path, [(r, plan(r, "bf", cols, DEFAULTS, tmp)) for r in read_manifest(str(path))]
+
+
+def _journal(out: Path, answers: list[dict[str, object]]) -> None:
+    journal = Journal(out)
+    journal.write({"t": "answer", "row": a} for a in answers)
+    journal.close()
+
+
+def _table(out: Path) -> list[dict[str, object]]:
+    if out.suffix == ".parquet":
+        return list(pq.read_table(out).to_pylist())
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
-def test_output_merges_the_earlier_output_and_the_journal_without_duplicates(
+def test_output_is_in_manifest_order_once_per_row_from_the_output_and_the_journal(
     tmp_path: Path, suffix: str
 ) -> None:
+    _, rows = _manifest(tmp_path, 5)
+    plans = [p for _, p in rows]
     out = tmp_path / f"results{suffix}"
-    rows = [output_row(json.loads(_result(f"bf/{i}", f"t{i}").model_dump_json(by_alias=True)))
-            for i in range(5)]  # fmt: skip
-    journal = Journal(out)
-    journal.write({"t": "answer", "row": r} for r in rows[:3])
+    retry = tmp_path / "results.retry.jsonl"
+    journal = Journal(out)  # answered in another order than the manifest's
+    journal.write({"t": "answer", "row": _answer(p, f"t{p.index}")} for p in plans[2::-1])
     journal.close()
-    assert write_output(out, suffix.strip(".")) == 3
-    assert not journal_path(out).exists()
-    # A second run: one duplicate of an answered row, two new rows, then a line cut by SIGKILL.
+    with pytest.raises(RowMissing, match="manifest row 3"):  # rows 3 and 4 have no answer yet
+        write_results(out, suffix.strip("."), rows, retry)
+    assert not out.exists() and journal_path(out).exists()  # nothing final, the journal kept
+    # A second run: one duplicate of an answered row, the two missing ones, a torn last line.
     journal = Journal(out)
-    journal.write({"t": "answer", "row": r} for r in [rows[1], *rows[3:]])
+    journal.write({"t": "answer", "row": _answer(p, f"t{p.index}")} for p in plans[1:])
     journal.close()
     with journal_path(out).open("ab") as f:
         f.write(b'{"t":"answer","row":{"job_id":"bf/')
     state = load_state(out)
-    assert set(state.outcomes) == {f"bf/{i}" for i in range(5)}
+    assert all(state.outcome(p) == "ok" for p in plans)
     assert journal_path(out).read_bytes().endswith(b"}\n")  # the torn line was cut off
-    assert write_output(out, suffix.strip(".")) == 5
-    table = (pq.read_table(out).to_pylist() if suffix == ".parquet"
-             else [json.loads(x) for x in out.read_text().splitlines()])  # fmt: skip
-    assert [r["job_id"] for r in table] == [f"bf/{i}" for i in range(5)]
+    written = write_results(out, suffix.strip("."), rows, retry)
+    assert (written.rows, written.outcomes, written.retry) == (5, {"ok": 5}, None)
+    table = _table(out)
+    assert [r["job_id"] for r in table] == [f"bf/r{i}" for i in range(5)]
+    assert [r["row_number"] for r in table] == [0, 1, 2, 3, 4]  # kept beside the key
     assert [r["caption"] for r in table] == [f"t{i}" for i in range(5)]
+    assert not journal_path(out).exists() and not retry.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl", out.name]  # no scratch left
+
+
+def test_a_changed_question_is_asked_again_under_the_same_key(tmp_path: Path) -> None:
+    """Issue #35: an answer stands only for the question its row asks now. Here the key column
+    keeps the job id while the options change; the earlier answer is stale, not reused."""
+    _, rows = _manifest(tmp_path, 2)
+    out = tmp_path / "o.jsonl"
+    retry = tmp_path / "o.retry.jsonl"
+    _journal(out, [_answer(p, "old") for _, p in rows])
+    write_results(out, "jsonl", rows, retry)
+    longer = Defaults(generation={"max_tokens": 99})
+    again = [(r, plan(r, "bf", Columns(key="k"), longer, tmp_path)) for r, _ in rows]
+    assert [p.job_id for _, p in again] == [p.job_id for _, p in rows]
+    assert all(p.fingerprint != q.fingerprint for (_, p), (_, q) in zip(again, rows, strict=True))
+    state = load_state(out)
+    assert [state.outcome(p) for _, p in rows] == ["ok", "ok"]
+    assert [state.outcome(p) for _, p in again] == [None, None]  # asked again
+    tally = Tally(total=2)
+    plans = iter([p for _, p in again])
+    assert _next_job(plans, state, set(), tally) == again[0][1]
+    # The old answer arriving late for the new question is stale; the new one is taken.
+    state.posted[again[0][1].job_id] = Sent(1.0, b"{}", again[0][1].fingerprint)
+    assert state.answer(_answer(rows[0][1], "late")) == STALE
+    assert state.answer(_answer(again[0][1], "new")) == NEW
+    assert state.answer(_answer(again[0][1], "new")) == DUPLICATE
+    with pytest.raises(RowMissing):  # row 1's new question has no answer yet
+        write_results(out, "jsonl", again, retry)
+    _journal(out, [_answer(p, "new") for _, p in again])
+    written = write_results(out, "jsonl", again, retry)
+    assert [r["caption"] for r in _table(out)] == ["new", "new"]
+    assert written.unused == 2  # the two old answers
+
+
+def test_invalid_rows_are_rechecked_on_every_run_never_kept(tmp_path: Path) -> None:
+    """Issue #35 item 1, the unit half: rows that failed locally (a wrong --uri-column) came
+    back as 10 extra rows next to the right ones on a re-run with the right column."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"path": f"{i}.jpg"}) + "\n" for i in range(3)))
+    out, retry = tmp_path / "o.jsonl", tmp_path / "o.retry.jsonl"
+
+    def rows(cols: Columns) -> list[tuple[Row, Planned]]:
+        return [(r, plan(r, "bf", cols, DEFAULTS, tmp_path)) for r in read_manifest(str(path))]
+
+    wrong = rows(Columns(uri="uri"))
+    written = write_results(out, "jsonl", wrong, retry)
+    assert (written.rows, written.outcomes) == (3, {INVALID_ROW: 3})
+    assert len(retry.read_text().splitlines()) == 3
+    right = rows(Columns(uri="path"))
+    assert load_state(out).outcomes == {}  # nothing of the wrong run is kept
+    _journal(out, [_answer(p, "c") for _, p in right])
+    written = write_results(out, "jsonl", right, retry)
+    assert (written.rows, written.outcomes, written.retry) == (3, {"ok": 3}, None)
+    assert [r["row_number"] for r in _table(out)] == [0, 1, 2]
+    assert not retry.exists()
 
 
 def test_resume_state_knows_what_is_posted_answered_and_due(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     journal = Journal(out)
+    ok_a = {"job_id": "bf/a", "fingerprint": "fa", "outcome": "ok"}
     journal.write([
-        {"t": "posted", "id": "bf/a", "at": 100.0, "job": '{"a":1}'},
-        {"t": "posted", "id": "bf/b", "at": 100.0, "job": '{"b":1}'},
-        {"t": "posted", "id": "bf/c", "at": 190.0, "job": '{"c":1}'},
-        {"t": "answer", "row": local_failure(plan(Row(0, {"k": "a"}), "bf",
-                                                  Columns(key="k"), DEFAULTS, tmp_path))},
+        {"t": "posted", "id": "bf/a", "at": 100.0, "fp": "fa", "job": '{"a":1}'},
+        {"t": "posted", "id": "bf/b", "at": 100.0, "fp": "fb", "job": '{"b":1}'},
+        {"t": "posted", "id": "bf/c", "at": 190.0, "fp": "fc", "job": '{"c":1}'},
+        {"t": "answer", "row": ok_a},
         {"t": "positions", "pos": {"out:0": 5}},
         {"t": "positions", "pos": {"out:0": 9, "dlq:0": 2}},
     ])  # fmt: skip
     journal.close()
     state = load_state(out)
-    assert state.outcomes == {"bf/a": INVALID_ROW}
+    assert state.outcomes == {answer_key("bf/a", "fa"): "ok"}
     assert sorted(state.posted) == ["bf/b", "bf/c"]
-    assert state.posted["bf/b"] == (100.0, b'{"b":1}')
+    assert state.posted["bf/b"] == Sent(100.0, b'{"b":1}', "fb")
     assert state.positions == {"out:0": 9, "dlq:0": 2}
     # Past the grace period only the old one is re-posted; the young one may still be answered.
     assert repost_due(state.posted, now=200.0, grace_s=60) == ["bf/b"]
     assert repost_due(state.posted, now=260.0, grace_s=60) == ["bf/b", "bf/c"]
-    assert state.answer({"job_id": "bf/b", "outcome": "ok"}) is True
-    assert state.answer({"job_id": "bf/b", "outcome": "ok"}) is False  # a duplicate
+    # A failure that lost the job's metadata is taken as the answer to what was posted.
+    assert state.answer({"job_id": "bf/b", "outcome": "failed", "code": "x"}) == NEW
+    assert state.outcomes[answer_key("bf/b", "fb")] == "x"
+    assert state.answer({"job_id": "bf/b", "fingerprint": "fb", "outcome": "ok"}) == DUPLICATE
     assert "bf/b" not in state.posted
 
 
@@ -247,19 +347,41 @@ def test_next_job_skips_answered_posted_duplicate_and_bad_rows(tmp_path: Path) -
         {"uri": "a.jpg", "k": "bad", "o": {"max_tokens": -1}}, {"uri": "a.jpg", "k": "new"},
         {"uri": "a.jpg", "k": "new"}, {"uri": "b.jpg", "k": "last"},
     ]  # fmt: skip
-    rows = [Row(i, f) for i, f in enumerate(fields)]
-    state = State(outcomes={"bf/done": "ok"}, posted={"bf/posted": (1.0, b"{}")})
-    journal = Journal(tmp_path / "o.jsonl")
+    plans = [plan(Row(i, f), "bf", cols, DEFAULTS, tmp_path) for i, f in enumerate(fields)]
+    state = State(
+        outcomes={answer_key("bf/done", plans[0].fingerprint): "ok"},
+        posted={"bf/posted": Sent(1.0, b"{}", plans[1].fingerprint)},
+    )
     tally, seen = Tally(total=6), set[str]()
-    plans = (plan(r, "bf", cols, DEFAULTS, tmp_path) for r in rows)
     got = []
-    while p := _next_job(plans, state, seen, journal, tally):
+    it = iter(plans)
+    while p := _next_job(it, state, seen, tally):
         got.append(p.job_id)
-    journal.close()
     assert got == ["bf/new", "bf/last"]
     assert (tally.duplicate_rows, tally.outcomes[INVALID_ROW]) == (1, 1)
-    assert state.outcomes["bf/bad"] == INVALID_ROW  # journaled, so a resume does not re-plan it
-    assert load_state(tmp_path / "o.jsonl").outcomes == {"bf/bad": INVALID_ROW}
+    assert tally.done == 3  # done, bad, the duplicate; the others wait for answers
+    assert tally.awaiting == {"bf/posted", "bf/new", "bf/last"}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
+def test_columns_the_options_name_are_checked_before_anything_is_posted(
+    tmp_path: Path, kind: str
+) -> None:
+    path = _write(tmp_path, kind)
+    check_columns(str(path), COLS)  # all there
+    wrong = Columns(uri="uri", key="id", metadata=("album", "colour"))
+    with pytest.raises(ManifestError) as caught:
+        check_columns(str(path), wrong)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "no column 'uri' (--uri-column), 'colour' (--metadata-columns)" in message, message
+    assert "id, path, album, opts" in message, message
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ManifestError, match=r"'path' \(--uri-column\); its columns \(a directory"):
+        check_columns(str(tmp_path / "d"), Columns(uri="path"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    check_columns(str(empty), wrong)  # no rows: nothing to check, nothing is posted
 
 
 def test_journal_writes_whole_lines_in_one_call(tmp_path: Path) -> None:
