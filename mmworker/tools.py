@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import sys
@@ -242,7 +243,7 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
                     continue
                 job = job_for(name, ref, args)
                 posted = client.post(job, topic)
-                posted.add_done_callback(lambda done, src=name: acknowledged(src, done))
+                posted.add_done_callback(functools.partial(acknowledged, name))
                 print(f"{job.job_id}\t{name}", flush=True)
                 sent += 1
             client.flush()
