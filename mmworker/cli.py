@@ -471,13 +471,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from mmworker.backfill import (
-        backfill,
-        check_columns,
-        columns_from,
-        manifest_kind,
-        output_format,
-    )
+    from mmworker.backfill import backfill, manifest_kind, output_format
     from mmworker.tools import check_sampling, check_task
 
     cfg = _load_for_client(args)
@@ -486,7 +480,6 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
     manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
-    check_columns(str(args.manifest), columns_from(args))
     output_format(args.out, args.format)
     _check_brokers(cfg, args)
     _warn_if_nobody_consumes(cfg)
@@ -517,7 +510,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from mmworker.replay import parse_when
     from mmworker.status import run_status
 
-    cfg = _load(args)
+    cfg = _load_for_client(args)
     parse_when(args.since)  # a mistake first, before the brokers are reached
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"-w {args.watch}: refresh every so many seconds, more than 0")
@@ -560,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="show the traceback of an expected failure too"
     )
     # Also accepted after the command (`mmworker run --debug`); SUPPRESS keeps the one above.
-    common = _Parser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
@@ -677,15 +670,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="list what would be posted; post nothing")
     p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
-    p.add_argument(
-        "--backfill-out", metavar="RESULTS",
-        help="only the failed rows of this finished backfill's output: wait for their answers "
-        "and write them into it (and its retry manifest)",
-    )  # fmt: skip
-    p.add_argument(
-        "--wait", type=float, default=600.0, metavar="SECONDS",
-        help="with --backfill-out: how long to wait for the answers",
-    )  # fmt: skip
     p.set_defaults(fn=cmd_replay)
 
     p = command("tail", "print results and failures, one line each")

@@ -131,6 +131,16 @@ class StatusReader:
         self._admin.close()
 
     def read(self, recent_s: float) -> GroupStatus:
+        """Raises `GroupQueryError` (one line) when the brokers do not answer in time."""
+        try:
+            return self._read(recent_s)
+        except KafkaError as exc:
+            raise GroupQueryError(
+                f"cannot read group {self._cfg.group_id!r} from {self._cfg.bootstrap_servers} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _read(self, recent_s: float) -> GroupStatus:
         cfg = self._cfg
         taken_at = time.time()
         described = describe_members(self._admin, cfg.group_id)
@@ -356,7 +366,15 @@ def run_status(cfg: WorkerConfig, as_json: bool, watch_s: float | None, since: s
     try:
         while True:
             recent_s = max(0.0, time.time() - parse_when(since).timestamp())
-            status = reader.read(recent_s)
+            try:
+                status = reader.read(recent_s)
+            except GroupQueryError as exc:
+                if watch_s is None:
+                    raise
+                # -w outlives a broker that goes away: it says so and asks again.
+                print(f"mmworker status: {exc.message}; again in {watch_s:g}s", file=sys.stderr)
+                time.sleep(watch_s)
+                continue
             if as_json:
                 print(json.dumps(status.to_json()), flush=True)
             else:

@@ -24,7 +24,7 @@ from kafka.structs import OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig
-from mmworker.devkit.broker import EmbeddedBroker
+from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image
 from mmworker.kafka_io import SUSPECTS_TOPIC_CONFIG, ensure_topics
 from tests.conftest import GROUP_SETTINGS
@@ -346,3 +346,52 @@ def test_backfill_warns_in_one_line_when_nobody_consumes(
         f"{WARNING} {names['group']!r} on {broker.bootstrap}: the jobs wait until one runs "
         "(`mmworker status` shows the group)"
     ], seen
+
+
+def test_status_watch_outlives_a_broker_restart() -> None:
+    """`-w` is what an operator leaves open while a broker is restarted: it says the broker is
+    gone in a line per refresh, without a traceback, and shows the group again once it is back."""
+    port = free_port()
+    names = _names()
+    first = EmbeddedBroker(port=port).start()
+    ensure_topics(KafkaConfig(bootstrap_servers=first.bootstrap), {names["input"]: 1})  # type: ignore[call-arg]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmworker", "status", *_flags(first, names), "--json", "-w", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+    )  # fmt: skip
+    out: queue.Queue[str] = queue.Queue()
+    err: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None and proc.stderr is not None
+    for stream, into in ((proc.stdout, out), (proc.stderr, err)):
+        threading.Thread(target=_pump, args=(stream, into), daemon=True).start()
+    second: EmbeddedBroker | None = None
+    gone = ""
+    try:
+        assert json.loads(out.get(timeout=60))["partitions"][0]["topic"] == names["input"]
+        first.stop()
+        gone = err.get(timeout=60)
+        assert gone.startswith(f"mmworker status: cannot read group {names['group']!r}"), gone
+        second = EmbeddedBroker(port=port).start()
+        ensure_topics(KafkaConfig(bootstrap_servers=second.bootstrap), {names["input"]: 1})  # type: ignore[call-arg]
+        deadline = time.monotonic() + 90
+        while True:  # lines the failing refreshes printed meanwhile are skipped
+            doc = json.loads(out.get(timeout=90))
+            if doc["partitions"] or time.monotonic() > deadline:
+                break
+        assert doc["partitions"][0]["topic"] == names["input"] and doc["consuming"] is False
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        first.stop()
+        if second is not None:
+            second.stop()
+    errors = [gone, *(err.get_nowait() for _ in range(err.qsize()))]
+    # one line per failed refresh, and nothing else: no traceback, no kafka-python retry noise
+    assert all(line.startswith("mmworker status: cannot read group") for line in errors), errors
+    assert proc.returncode == 0
+
+
+def _pump(stream: Any, into: queue.Queue[str]) -> None:
+    for line in stream:
+        into.put(line.rstrip("\n"))
