@@ -471,7 +471,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    from mmworker.backfill import backfill, manifest_kind, output_format
+    from mmworker.backfill import (
+        backfill,
+        check_columns,
+        columns_from,
+        manifest_kind,
+        output_format,
+    )
     from mmworker.tools import check_sampling, check_task
 
     cfg = _load_for_client(args)
@@ -480,6 +486,7 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
     manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
+    check_columns(str(args.manifest), columns_from(args))
     output_format(args.out, args.format)
     _check_brokers(cfg, args)
     _warn_if_nobody_consumes(cfg)
@@ -553,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="show the traceback of an expected failure too"
     )
     # Also accepted after the command (`mmworker run --debug`); SUPPRESS keeps the one above.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
@@ -670,6 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="list what would be posted; post nothing")
     p.add_argument("--topic", metavar="TOPIC", help="where to post (default: kafka.input_topic)")
+    p.add_argument(
+        "--backfill-out", metavar="RESULTS",
+        help="only the failed rows of this finished backfill's output: wait for their answers "
+        "and write them into it (and its retry manifest)",
+    )  # fmt: skip
+    p.add_argument(
+        "--wait", type=float, default=600.0, metavar="SECONDS",
+        help="with --backfill-out: how long to wait for the answers",
+    )  # fmt: skip
     p.set_defaults(fn=cmd_replay)
 
     p = command("tail", "print results and failures, one line each")
