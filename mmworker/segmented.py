@@ -213,6 +213,8 @@ async def _caption(
         json_=parsed, frames=n, frame_timestamps=stamps, finish_reason=out.finish_reason,
         output_tokens=out.output_tokens, visual_tokens=slot.visual,
     )  # fmt: skip
+    # One line per segment: a long video's progress shows in the log while it runs.
+    log.info("job %s: segment %.1f-%.1fs captioned", job.job_id, slot.start_s, slot.end_s)
 
 
 async def _summarise(
