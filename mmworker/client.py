@@ -38,7 +38,6 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
-from kafka.structs import TopicPartition
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
@@ -312,6 +311,7 @@ class _Reader:
         cluster = self._cluster()
         if cluster is None or not hasattr(cluster, "topic_id"):
             return False
+        assigned = self.consumer.assignment()
         renewed: list[str] = []
         for topic in sorted(topics):
             now_id = cluster.topic_id(topic)
@@ -319,15 +319,13 @@ class _Reader:
             if now_id is not None and before is None:
                 self.topic_ids[topic] = now_id
             elif now_id is not None and now_id != before:
+                if not any(tp.topic == topic for tp in assigned):
+                    continue  # not assigned again yet: the next check seeks it
                 self.topic_ids[topic] = now_id
                 renewed.append(topic)
         if not renewed:
             return False
-        parts = [tp for tp in self.consumer.assignment() if tp.topic in renewed]
-        parts = parts or [
-            TopicPartition(t, p) for t in renewed for p in self.consumer.partitions_for_topic(t)
-        ]
-        self.consumer.seek_to_beginning(*parts)
+        self.consumer.seek_to_beginning(*(tp for tp in assigned if tp.topic in renewed))
         self.client.event(
             f"topic {', '.join(renewed)} was created again while the brokers were away: "
             "reading it from its beginning"
