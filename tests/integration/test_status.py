@@ -28,7 +28,7 @@ from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image
 from mmworker.kafka_io import SUSPECTS_TOPIC_CONFIG, ensure_topics
 from tests.conftest import GROUP_SETTINGS
-from tests.integration.workerkit import WorkerProcess, make_topics
+from tests.integration.conftest import Service
 
 pytestmark = pytest.mark.integration
 
@@ -241,33 +241,22 @@ def test_status_watch_refreshes_until_ctrl_c(broker: EmbeddedBroker) -> None:
     assert proc.returncode == 0, err
 
 
-def test_status_sees_a_real_worker_join_and_leave(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    """A real `mmworker run` is the one member status names, under the worker's client id; once
-    it has stopped (SIGTERM: it leaves the group), nobody is consuming."""
-    topics = make_topics(broker.bootstrap, "status")
+def test_status_names_a_real_worker(service: Service) -> None:
+    """The session's running `mmworker run` (conftest's `service`) is the one member status
+    names, under the worker's client id; the same topics read for a group nobody runs are not
+    consumed."""
     names = {
-        "group": f"status-{uuid.uuid4().hex[:6]}",
-        "input": topics["input"],
-        "dlq": topics["dlq"],
-        "suspects": f"{topics['input']}.suspects",
+        "group": service.group,
+        "input": service.topics["input"],
+        "dlq": service.topics["dlq"],
+        "suspects": "mmworker.suspects",
     }
-    extra: dict[str, object] = {
-        "kafka.client_id": "status-worker",
-        "kafka.suspects_topic": names["suspects"],
-    }
-    with WorkerProcess(broker.bootstrap, tmp_path, topics, names["group"], extra) as worker:
-        deadline = time.monotonic() + 300
-        while not (seen := _status(broker, names, "--json"))["members"]:
-            assert worker.proc is not None and worker.proc.poll() is None, worker.log()
-            assert time.monotonic() < deadline, worker.log()
-            time.sleep(1)
-        assert [m["client_id"] for m in seen["members"]] == ["status-worker"]
-        assert seen["consuming"] is True
-        worker.signal(signal.SIGTERM)
-        assert worker.wait(timeout=120) == 0, worker.log()
-    after = _status(broker, names, "--json")
-    assert after["consuming"] is False, after["members"]
-    assert after["state"] == "Empty"
+    seen = _status(service.broker, names, "--json")
+    assert [m["client_id"] for m in seen["members"]] == ["mmworker"], seen["members"]
+    assert seen["consuming"] is True
+    assert {p["topic"] for p in seen["partitions"]} == {service.topics["input"]}
+    idle = _status(service.broker, {**names, "group": f"nobody-{uuid.uuid4().hex[:6]}"}, "--json")
+    assert idle["consuming"] is False and idle["members"] == []
 
 
 WARNING = "warning: no worker is consuming group"
