@@ -1,11 +1,15 @@
 # Thin wrappers: the logic lives in scripts/ so CI and humans run the same thing.
-.PHONY: setup test lint demo clean distclean
+.PHONY: setup test test-fast lint demo clean distclean
 
 setup:
 	bash scripts/setup.sh
 
 test: setup
 	bash scripts/test.sh
+
+# The inner loop (a few minutes): ruff, then the tests that need neither the broker nor the engine.
+test-fast: setup
+	bash scripts/test.sh fast
 
 lint: setup
 	bash scripts/test.sh lint

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Lint, type-check, then run the test suite against .venv (run scripts/setup.sh first).
 #
-# `scripts/test.sh lint` stops after the static checks. Extra arguments go to pytest.
+# `scripts/test.sh lint` stops after the static checks; `scripts/test.sh fast` runs ruff and the
+# tests that need neither the broker nor the engine. Extra arguments go to pytest.
 # pytest's exit status 5 means "no tests collected": a green run that tested nothing is a failure.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BIN=.venv/bin
 lint_only=false
+fast=false
 if [[ "${1:-}" == "lint" ]]; then
     lint_only=true
+    shift
+elif [[ "${1:-}" == "fast" ]]; then
+    # The inner loop: ruff and the tests that need neither the broker nor the engine (mypy and
+    # the integration tests are left to `make test`, which CI runs).
+    fast=true
     shift
 fi
 
@@ -17,6 +24,10 @@ echo "test: ruff check"
 "$BIN/ruff" check .
 echo "test: ruff format --check"
 "$BIN/ruff" format --check .
+if $fast; then
+    echo "test: pytest (fast tier: not integration)"
+    exec "$BIN/python" -m pytest -q -m "not integration" "$@"
+fi
 echo "test: mypy"
 # schemas/ and preprocess/ install as mmworker.schemas and mmworker.preprocess (pyproject's
 # package-dir), through an import hook that mypy does not follow; so mypy reads a tree of links

@@ -59,3 +59,12 @@ class SilentBroker:
         with contextlib.suppress(OSError):
             while conn.recv(65536):
                 pass
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes the real broker (the `broker` fixture) is an integration test wherever
+    it lives, so `-m "not integration"` (`make test-fast`) runs only tests that need neither the
+    broker nor the engine."""
+    for item in items:
+        if "broker" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.integration)

@@ -174,17 +174,17 @@ def test_file_checksum_is_verified(media_root):
         ("10.1.2.3", "private"),
         ("172.16.0.1", "private"),
         ("192.168.1.1", "private"),
-        ("169.254.169.254", "link-local"),
-        ("100.100.100.200", "non-global"),
+        ("169.254.169.254", "cloud-metadata"),
+        ("100.100.100.200", "cloud-metadata"),
         ("0.0.0.0", "unspecified"),
         ("224.0.0.1", "multicast"),
         ("240.0.0.1", "reserved"),
         ("::1", "loopback"),
         ("fe80::1%eth0", "link-local"),
-        ("fd00:ec2::254", "private"),
+        ("fd00:ec2::254", "cloud-metadata"),
         ("::ffff:127.0.0.1", "loopback"),
-        ("::ffff:169.254.169.254", "link-local"),
-        ("64:ff9b::a9fe:a9fe", "link-local"),
+        ("::ffff:169.254.169.254", "cloud-metadata"),
+        ("64:ff9b::a9fe:a9fe", "cloud-metadata"),
         ("2002:7f00:1::", "loopback"),
         ("ff02::1", "multicast"),
     ],
@@ -342,7 +342,7 @@ def only_local_server_allowed(monkeypatch):
 
 def test_redirect_to_metadata_address_is_refused(port, only_local_server_allowed):
     assert fetch_bytes(_ref(f"http://127.0.0.1:{port}/img.png"), FetchPolicy()) == BODY
-    with pytest.raises(ForbiddenUri, match=r"169\.254\.169\.254.*link-local"):
+    with pytest.raises(ForbiddenUri, match=r"169\.254\.169\.254.*cloud-metadata"):
         fetch_bytes(_ref(f"http://127.0.0.1:{port}/redirect-metadata"), FetchPolicy())
 
 

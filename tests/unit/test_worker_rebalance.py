@@ -176,6 +176,7 @@ def _newcomer(
     c.close(autocommit=False)
 
 
+@pytest.mark.integration  # a real broker of its own, frozen
 @pytest.mark.timeout(180)
 def test_a_revoke_commit_the_broker_never_answers_gives_up_at_its_deadline_commits_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
