@@ -2,7 +2,7 @@
 (`kafka.backfill_topic`), for the queues a job waits in on its way to the engine.
 
 A context variable, set once per job task by `JobRunner.run`: the preprocessing queue
-(`media.PrioritySlots`) reads it without every call on the way passing it down, and asyncio
+(`PrioritySlots` below) reads it without every call on the way passing it down, and asyncio
 copies it into the tasks a job starts.
 """
 
