@@ -15,8 +15,10 @@ use themselves:
             print(answer.message if isinstance(answer, Failure) else answer.text)
 
 Reading survives a broker that goes away and comes back: the client checks the bootstrap
-servers itself while nothing arrives, says once that they are lost and once that they are back
-(`on_event`, a log line by default), and goes on from where it was. kafka-python, left alone,
+servers itself while nothing arrives (a TCP connect, and on a plaintext listener a Kafka
+ApiVersions answer, since a stopped broker still accepts connections), says once that they are
+lost and once that they are back (`on_event`, a log line by default), and goes on from where it
+was. kafka-python, left alone,
 logs every failed attempt (47 ERROR/WARNING lines in 30 s) and never says the broker is gone. A
 topic found recreated on its return (a broker without persistent storage forgets its topics,
 and whoever recreates them starts their offsets at 0 again) is read from its beginning, so
@@ -29,6 +31,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -49,6 +52,8 @@ log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 2.0
 #: How long one server may take to accept a TCP connection before it counts as gone.
 PROBE_TIMEOUT_S = 1.0
+#: How long a broker that accepts the connection may take to answer before it counts as hung.
+ANSWER_TIMEOUT_S = 5.0
 #: kafka-python waits up to 30 s between reconnection attempts by default; a broker that comes
 #: back should be read again within seconds.
 RECONNECT_BACKOFF_MAX_MS = 1000
@@ -83,15 +88,26 @@ def parse_answer(value: bytes | None) -> Result | Failure | None:
         return None
 
 
-def unreachable(servers: Iterable[str], timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+def unreachable(
+    servers: Iterable[str],
+    timeout_s: float = PROBE_TIMEOUT_S,
+    *,
+    answer_timeout_s: float | None = None,
+) -> str | None:
     """Why none of `servers` accepts a TCP connection, or None when one does. A broker process
-    that is gone refuses at once; the check does not need kafka-python's view of the cluster."""
+    that is gone refuses at once; the check does not need kafka-python's view of the cluster.
+
+    With `answer_timeout_s` (plaintext listeners only) the server must also answer a Kafka
+    ApiVersions request within that time: a stopped or hung broker still accepts connections
+    (the kernel completes them), but answers nothing."""
     problems: list[str] = []
     for server in servers:
         host, _, port = server.strip().rpartition(":")
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-                return None
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+                if answer_timeout_s is None or _answers_api_versions(s, answer_timeout_s):
+                    return None
+                problems.append(f"{server}: no Kafka answer within {answer_timeout_s:g}s")
         except socket.gaierror:
             problems.append(f"{server}: no such host")
         except TimeoutError:
@@ -100,6 +116,28 @@ def unreachable(servers: Iterable[str], timeout_s: float = PROBE_TIMEOUT_S) -> s
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             problems.append(f"{server}: {reason.lower()}")
     return "; ".join(problems) or "no bootstrap servers"
+
+
+#: ApiVersions v0 (api key 18), correlation id 1, client id "mmworker-probe": the request every
+#: Kafka client sends first, which any broker answers before authentication.
+_PROBE_REQUEST = struct.pack(">hhih", 18, 0, 1, len(b"mmworker-probe")) + b"mmworker-probe"
+_API_VERSIONS = struct.pack(">i", len(_PROBE_REQUEST)) + _PROBE_REQUEST
+
+
+def _answers_api_versions(sock: socket.socket, timeout_s: float) -> bool:
+    """True when the broker answers ApiVersions (its size and our correlation id) in time."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(_API_VERSIONS)
+        head = b""
+        while len(head) < 8:
+            chunk = sock.recv(8 - len(head))
+            if not chunk:
+                return False
+            head += chunk
+    except OSError:  # TimeoutError included: no answer in time
+        return False
+    return struct.unpack(">ii", head)[1] == 1
 
 
 class Client:
@@ -248,6 +286,9 @@ class _Reader:
         self.consumer = consumer
         self.idle_timeout_s = idle_timeout_s
         self.servers = client.cfg.kafka.bootstrap_servers.split(",")
+        # A TLS listener needs a handshake first: there, being reachable is accepting TCP.
+        plaintext = client.cfg.kafka.security_protocol == "PLAINTEXT"
+        self.answer_timeout_s = ANSWER_TIMEOUT_S if plaintext else None
         self.topic_ids: dict[str, object] = {}
         self.lost_since: float | None = None
 
@@ -272,7 +313,7 @@ class _Reader:
                 return
 
     def _probe(self, now: float) -> None:
-        why = unreachable(self.servers)
+        why = unreachable(self.servers, answer_timeout_s=self.answer_timeout_s)
         if why is not None:
             if self.lost_since is None:
                 self.lost_since = now

@@ -174,3 +174,13 @@ def test_a_broker_port_that_refuses_is_named() -> None:
     port = free_port()
     assert unreachable([f"127.0.0.1:{port}"]) == f"127.0.0.1:{port}: connection refused"
     assert unreachable(["no-such-host.invalid:9092"]) == "no-such-host.invalid:9092: no such host"
+
+
+def test_a_listener_that_never_answers_counts_as_lost_only_when_an_answer_is_asked() -> None:
+    from tests.conftest import SilentBroker
+
+    with SilentBroker() as silent:
+        assert unreachable([silent.bootstrap]) is None  # TCP alone: it accepts
+        assert unreachable([silent.bootstrap], answer_timeout_s=0.3) == (
+            f"{silent.bootstrap}: no Kafka answer within 0.3s"
+        )
