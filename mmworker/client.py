@@ -137,7 +137,8 @@ def _answers_api_versions(sock: socket.socket, timeout_s: float) -> bool:
             head += chunk
     except OSError:  # TimeoutError included: no answer in time
         return False
-    return struct.unpack(">ii", head)[1] == 1
+    _size, correlation_id = struct.unpack(">ii", head)
+    return bool(correlation_id == 1)
 
 
 class Client:
