@@ -1,12 +1,16 @@
-"""Segment mode: one stretch of a video at a time, decoded in a single forward pass.
+"""Segment mode: one stretch of a video at a time, never the whole video's frames at once.
 
 A long video is not prepared whole: `prepare_segment(data, params, rule, start_s)` seeks to the
 key frame before `start_s`, decodes forward, finds where the segment ends (a fixed length, or a
 scene change) and returns that segment's frames, sampled and sized by the usual `VideoParams`
 rules within it, with the time the next segment starts. The worker calls it once per segment,
 each call in its process pool, and hands a segment to the engine as soon as it is back, so the
-first captions are generated while the rest of the video is still being decoded. Apart from the
-GOP prefix decoded again after each seek, every frame is decoded once.
+first captions are generated while the rest of the video is still being decoded.
+
+Mode "scenes" has to look at every frame to find the cuts: apart from the GOP prefix decoded
+again after each seek, every frame is decoded once. Mode "fixed" knows its bounds from the
+timeline (`timeline.scan`, demuxing only), so it decodes only what its sampled frames need, with
+`prepare_video`'s scheduler and decoder (a GOP prefix per sampled frame at most).
 
 Scene changes are found from frame differences: every decoded frame is scaled down to 32x32
 RGB (swscale, a few microseconds) and compared with the one before; a mean absolute difference
@@ -23,6 +27,7 @@ thumbnail. It does not grow with the video's length.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +43,11 @@ from mmworker.preprocess.errors import NoFrames, TooManyVisualTokens, Undecodabl
 from mmworker.preprocess.params import FRAME_FACTOR, PreparedVideo, VideoParams, frame_max_pixels
 from mmworker.preprocess.tokens import resized, video_tokens
 from mmworker.preprocess.video.container import check_source_size, open_container, video_stream
+from mmworker.preprocess.video.decode import decode
 from mmworker.preprocess.video.orientation import SWAPS, orientation
+from mmworker.preprocess.video.schedule import decode_runs
+from mmworker.preprocess.video.stats import DecodeStats
+from mmworker.preprocess.video.timeline import scan
 from PIL import Image
 
 #: Side of the RGB thumbnails scene detection compares (colour, not grey: red and blue scenes
@@ -76,9 +85,15 @@ class PreparedSegment:
 
 
 def prepare_segment(
-    data: bytes, params: VideoParams, rule: SegmentRule, start_s: float
+    data: bytes,
+    params: VideoParams,
+    rule: SegmentRule,
+    start_s: float,
+    stats: DecodeStats | None = None,
 ) -> PreparedSegment:
     """The segment that starts at `start_s` (seconds from the first frame)."""
+    if rule.mode == "fixed":
+        return _fixed_segment(data, params, rule.every_s, start_s, stats)
     with open_container(data) as container:
         stream = video_stream(container)
         codec = stream.codec_context
@@ -98,6 +113,89 @@ def prepare_segment(
         video = keeper.finish(next_start)
     end_s = keeper.end_s if next_start is None else next_start
     return PreparedSegment(start_s, end_s, video, next_start is None, cutter.scene_cut)
+
+
+def _fixed_segment(
+    data: bytes, params: VideoParams, every_s: float, start_s: float, stats: DecodeStats | None
+) -> PreparedSegment:
+    """A fixed-length segment needs no frame it does not sample: its bounds are known from the
+    timeline (the demux pass, no decoding), so only the GOP prefixes of its sampled frames are
+    decoded, by `prepare_video`'s own scheduler and decoder."""
+    stats = stats if stats is not None else DecodeStats()
+    with open_container(data) as container:
+        stream = video_stream(container)
+        codec = stream.codec_context
+        check_source_size(codec.width, codec.height, params)
+        timeline = scan(container, stream, stats)
+    seconds = timeline.seconds
+    end_s = start_s + every_s
+    first = bisect.bisect_left(seconds, start_s - EPS)
+    stop = bisect.bisect_left(seconds, end_s - EPS)
+    if first >= stop:
+        raise NoFrames(f"no frame of the video at or after {start_s:.3f}s")
+    last = stop >= len(seconds)
+    if last:
+        end_s = timeline.duration_s
+    n = _frame_count(params, end_s - start_s, stop - first, seconds[first], seconds[stop - 1])
+    height, width = codec.height, codec.width
+    pixels = frame_max_pixels(params, n + n % FRAME_FACTOR)
+    size = resized(height, width, min_pixels=params.min_pixels, max_pixels=pixels,
+                   max_ratio=params.max_ratio, video=True)  # fmt: skip
+    n = _fit_count(params, n, size)
+    window = np.asarray(seconds[first:stop])
+    targets = [
+        first + int(np.abs(window - t).argmin())
+        for t in np.linspace(seconds[first], seconds[stop - 1], n).tolist()
+    ]
+    runs = decode_runs(timeline, sorted(set(targets)))
+    captured, original_size, outcome = decode(data, timeline, params, pixels, stats, runs)
+    frames = [captured[t][0] for t in targets if t in captured]
+    stamps = [captured[t][1] for t in targets if t in captured]
+    if not frames or original_size is None:
+        raise UndecodableVideo(
+            f"no frame of the segment at {start_s:.3f}s decodes: {outcome.error or 'no output'}"
+        )
+    if len(frames) % FRAME_FACTOR:
+        frames.append(frames[-1])
+        stamps.append(stamps[-1])
+    duration = max(end_s - start_s, EPS)
+    video = PreparedVideo(
+        frames=np.ascontiguousarray(np.stack(frames)),
+        original_size=original_size,
+        timestamps=tuple(stamps),
+        duration_s=duration,
+        source_fps=timeline.source_fps,
+        total_num_frames=stop - first,
+        sample_fps=len(frames) / duration,
+    )
+    return PreparedSegment(start_s, end_s, video, last)
+
+
+def _frame_count(params: VideoParams, duration: float, available: int, t0: float, t1: float) -> int:
+    """Frames for a segment by the usual rules (fps: duration x fps within min/max_frames;
+    interval: one per interval_s), even, at most the frames there are."""
+    cap = max(FRAME_FACTOR, math.floor(params.max_frames / FRAME_FACTOR) * FRAME_FACTOR)
+    want: float
+    if params.strategy == "interval":
+        want = math.floor((t1 - t0) / params.interval_s + 1e-9) + 1
+    else:
+        want = max(duration * params.fps, params.min_frames)
+    n = min(math.floor(want / FRAME_FACTOR) * FRAME_FACTOR, cap)
+    return max(min(n, available), min(available, FRAME_FACTOR))
+
+
+def _fit_count(params: VideoParams, n: int, size: tuple[int, int]) -> int:
+    """Fewer frames when `params.budget` binds; refused when two frames do not fit."""
+    budget = params.budget
+    if budget is None:
+        return n
+    per_pair = video_tokens(FRAME_FACTOR, *size)
+    if per_pair > budget:
+        raise TooManyVisualTokens(
+            f"two frames of {size[1]}x{size[0]} need {per_pair} visual tokens; the budget is "
+            f"{budget}"
+        )
+    return min(n, budget // per_pair * FRAME_FACTOR)
 
 
 def _frames_from(
@@ -221,24 +319,9 @@ class _Keeper:
             raise NoFrames(f"no frame decodes at or after {self.start_s:.3f}s")
         end = next_start if next_start is not None else self.end_s
         duration = max(end - self.start_s, EPS)
-        params = self.params
-        want: float
-        if params.strategy == "interval":
-            want = math.floor((self.last_s - self.start_s) / params.interval_s + 1e-9) + 1
-        else:
-            want = max(duration * params.fps, params.min_frames)
-        n = min(math.floor(want / FRAME_FACTOR) * FRAME_FACTOR, self.cap)
-        n = max(min(n, len(self.held)), min(len(self.held), FRAME_FACTOR))
         assert self.size is not None and self.original_size is not None
-        budget = params.budget
-        if budget is not None:
-            per_pair = video_tokens(FRAME_FACTOR, *self.size)
-            if per_pair > budget:
-                raise TooManyVisualTokens(
-                    f"two frames of {self.size[1]}x{self.size[0]} need {per_pair} visual "
-                    f"tokens; the budget is {budget}"
-                )
-            n = min(n, budget // per_pair * FRAME_FACTOR)
+        n = _frame_count(self.params, duration, len(self.held), self.start_s, self.last_s)
+        n = _fit_count(self.params, n, self.size)
         times = np.asarray([s for _, s in self.held])
         targets = np.linspace(self.held[0][1], self.held[-1][1], n)
         picks = [int(np.abs(times - t).argmin()) for t in targets.tolist()]

@@ -8,6 +8,7 @@ from media_scenes import scene_video
 from mmworker.preprocess.errors import TooManyVisualTokens
 from mmworker.preprocess.params import VideoParams
 from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker.preprocess.video.stats import DecodeStats
 
 CUTS = [7.5, 19.0, 33.0, 41.25, 52.0]
 PARAMS = VideoParams(max_frames=16, min_pixels=64 * 28 * 28)
@@ -84,3 +85,14 @@ def test_budget_limits_frames_and_refuses_when_two_do_not_fit(clip: bytes) -> No
     assert n // 2 * (h // 28) * (w // 28) <= 200
     with pytest.raises(TooManyVisualTokens):
         prepare_segment(clip, PARAMS.with_budget(10), SegmentRule("fixed", every_s=10.0), 0.0)
+
+
+def test_fixed_mode_decodes_only_what_its_sampled_frames_need() -> None:
+    clip = scene_video(CUTS, 60.0, gop=8)
+    stats = DecodeStats()
+    params = VideoParams(fps=0.1, max_frames=4, min_pixels=64 * 28 * 28)
+    seg = prepare_segment(clip, params, SegmentRule("fixed", every_s=60.0), 0.0, stats)
+    assert seg.video.frames.shape[0] == 4
+    assert stats.packets == 240
+    # Four GOP prefixes of at most 8 packets each, not the 240 frames of the segment.
+    assert stats.decoded <= 4 * 8
