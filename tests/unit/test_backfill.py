@@ -20,6 +20,7 @@ from mmworker.backfill import (
     NEW,
     OUTPUT_COLUMNS,
     STALE,
+    BrokerLink,
     Columns,
     Defaults,
     Journal,
@@ -397,3 +398,27 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_lost_broker_is_one_line_each_way(capsys: pytest.CaptureFixture[str]) -> None:
+    now = [0.0]
+    link = BrokerLink("kafka.bootstrap_servers=k:9092", after_s=3.0, clock=lambda: now[0])
+    assert link.observe(True, "") is False
+    for t in (1.0, 2.0, 2.9):  # a reconnect kafka-python makes by itself is no loss
+        now[0] = t
+        assert link.observe(False, "no connection") is False
+    now[0] = 3.5
+    assert link.observe(True, "") is False  # back before it was reported: nothing said
+    assert capsys.readouterr().err == ""
+    for t in (10.0, 12.0, 13.0, 20.0, 30.0):
+        now[0] = t
+        assert link.observe(False, "KafkaTimeoutError while posting") is False
+    now[0] = 41.0
+    assert link.observe(True, "") is True  # the caller re-posts what is unanswered, after grace
+    assert link.observe(True, "") is False
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("mmworker backfill: lost the brokers (kafka.bootstrap_servers=k:")
+    assert "KafkaTimeoutError while posting" in lines[0]
+    assert lines[1].startswith("mmworker backfill: the brokers are back after 31s")
+    assert link.outages == 1

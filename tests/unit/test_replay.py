@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from mmworker.schemas import Failure, SourceCoords
 from mmworker.schemas.codes import ErrorCode
 
+from mmworker.backfill import OUTPUT_COLUMNS, journal_path, read_output, write_rows
 from mmworker.errors import ConfigError
-from mmworker.replay import Selection, parse_codes, parse_when, refusal, replay_payload
+from mmworker.replay import (
+    Selection,
+    backfill_failures,
+    parse_codes,
+    parse_when,
+    refusal,
+    replay_payload,
+    update_backfill_output,
+)
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -71,3 +81,59 @@ def test_the_payload_goes_back_with_its_replay_count() -> None:
     assert json.loads(replay_payload(again))["metadata"] == {"replays": 2, "k": "v"}
     for raw in (b'{"job_id": "x", "media": [', b"[1, 2]", b'{"metadata": "odd"}'):
         assert replay_payload(_failure(payload=raw)) == raw  # not ours to repair: as it was
+
+
+def _out_row(i: int, outcome: str, code: str | None = None) -> dict[str, object]:
+    row: dict[str, object] = dict.fromkeys(name for name, _ in OUTPUT_COLUMNS)
+    row.update(job_id=f"bf/{i}", row=str(i), row_number=i, source=f"{i}.jpg", outcome=outcome,
+               code=code, fingerprint=f"fp{i}", metadata='{"album": "a"}')  # fmt: skip
+    return row
+
+
+def test_a_replay_rewrites_its_rows_of_a_backfill_output_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.jsonl"
+    rows = [_out_row(0, "ok"), _out_row(1, "failed", "fetch_failed"), _out_row(2, "ok"),
+            _out_row(3, "failed", "invalid_schema"),
+            _out_row(4, "failed", "job_timeout")]  # fmt: skip
+    write_rows(out, "jsonl", rows)
+    retry = tmp_path / "o.retry.jsonl"
+    retry.write_text('{"uri": "1.jpg"}\n{"uri": "3.jpg"}\n{"uri": "4.jpg"}\n')
+    assert backfill_failures(out) == {"bf/1": "fp1", "bf/4": "fp4"}  # never invalid_schema
+    answered = {**_out_row(9, "ok"), "job_id": "bf/1", "caption": "a cat", "row": "x"}
+    again = {**_out_row(9, "failed", "job_timeout"), "job_id": "bf/4", "fingerprint": "fp4"}
+    update_backfill_output(out, {"bf/1": answered, "bf/4": again}, 60, unanswered=0)
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["job_id"] for r in got] == [f"bf/{i}" for i in range(5)]  # the same order
+    assert (got[1]["outcome"], got[1]["caption"]) == ("ok", "a cat")
+    # The row's own fields stay: its key, number, source and metadata columns.
+    assert (got[1]["row"], got[1]["row_number"], got[1]["source"]) == ("1", 1, "1.jpg")
+    assert got[1]["metadata"] == '{"album": "a"}' and got[1]["fingerprint"] == "fp9"
+    assert got[4]["code"] == "job_timeout" and got[0] == rows[0]
+    assert retry.read_text() == '{"uri": "3.jpg"}\n{"uri": "4.jpg"}\n'  # row 1 left it
+    err = capsys.readouterr().err
+    assert f"updated {out}: 2 rows answered again, 1 of them ok now" in err, err
+
+
+def test_a_retry_manifest_that_does_not_match_is_left_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o.parquet"
+    write_rows(out, "parquet", [_out_row(0, "failed", "fetch_failed"), _out_row(1, "ok")])
+    retry = tmp_path / "o.retry.jsonl"
+    retry.write_text('{"uri": "edited by hand"}\n{"uri": "x"}\n')  # 2 lines for 1 failed row
+    update_backfill_output(out, {"bf/0": _out_row(0, "ok")}, 60, unanswered=0)
+    assert [r["outcome"] for r in read_output(out)] == ["ok", "ok"]
+    assert retry.read_text() == '{"uri": "edited by hand"}\n{"uri": "x"}\n'
+    assert "o.retry.jsonl left as it was" in capsys.readouterr().err
+
+
+def test_an_unfinished_backfill_is_not_replayed_into(tmp_path: Path) -> None:
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(ConfigError, match="no such file"):
+        backfill_failures(out)
+    write_rows(out, "jsonl", [_out_row(0, "failed", "fetch_failed")])
+    journal_path(out).write_text("")
+    with pytest.raises(ConfigError, match="not finished"):
+        backfill_failures(out)
