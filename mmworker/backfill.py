@@ -476,7 +476,10 @@ class State:
         return NEW
 
     def outcome(self, planned: Planned) -> str | None:
-        return self.outcomes.get(answer_key(planned.job_id, planned.fingerprint))
+        """The answer to what the row asks now; or, for an output written before answers had
+        fingerprints (no such column), the answer its job id has."""
+        found = self.outcomes.get(answer_key(planned.job_id, planned.fingerprint))
+        return found if found is not None else self.outcomes.get(answer_key(planned.job_id, None))
 
 
 def journal_path(out: Path) -> Path:
@@ -678,6 +681,8 @@ def _result_for(planned: Planned, index: _AnswerIndex) -> dict[str, Any]:
     if planned.problem is not None:
         return local_failure(planned)
     found = index.get(answer_key(planned.job_id, planned.fingerprint))
+    if found is None:  # an output from before answers had fingerprints (State.outcome)
+        found = index.get(answer_key(planned.job_id, None))
     if found is None:
         raise RowMissing(
             f"manifest row {planned.index} ({planned.job_id}) has no answer: the output was not "

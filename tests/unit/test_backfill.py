@@ -422,3 +422,20 @@ def test_a_lost_broker_is_one_line_each_way(capsys: pytest.CaptureFixture[str]) 
     assert "KafkaTimeoutError while posting" in lines[0]
     assert lines[1].startswith("mmworker backfill: the brokers are back after 31s")
     assert link.outages == 1
+
+
+def test_an_output_from_before_fingerprints_is_kept_by_job_id(tmp_path: Path) -> None:
+    """An output written by an earlier release has no fingerprint column: its answers stand for
+    their job ids, so a finished backfill is not asked again after an upgrade."""
+    _, rows = _manifest(tmp_path, 3)
+    out, retry = tmp_path / "old.jsonl", tmp_path / "old.retry.jsonl"
+    legacy = [{k: v for k, v in _answer(p, f"t{p.index}").items()
+               if k not in ("fingerprint", "row_number")} for _, p in rows]  # fmt: skip
+    out.write_text("".join(json.dumps(r) + "\n" for r in legacy[::-1]))
+    state = load_state(out)
+    assert [state.outcome(p) for _, p in rows] == ["ok", "ok", "ok"]
+    written = write_results(out, "jsonl", rows, retry)
+    assert written.rows == 3 and written.unused == 0
+    assert [(r["caption"], r["row_number"]) for r in _table(out)] == [
+        (f"t{i}", i) for i in range(3)
+    ]
