@@ -630,7 +630,7 @@ class WorkerConfig(BaseSettings):
         "they split gpu_memory_utilization and the default preprocess.workers. >1 when one "
         "process's vLLM input processing (a single Python thread) can't keep the GPU busy",
         json_schema_extra={
-            "default_doc": "auto: 2 on one GPU of 70 GiB or more with 8 or more cores, else 1"
+            "default_doc": "auto: 2 on one GPU of 100 GiB or more with 8 or more cores, else 1"
         },
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
