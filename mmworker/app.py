@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from mmworker import health, lifeline, logs
+from mmworker import health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
@@ -173,6 +173,7 @@ async def _serve(
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
+        heap_trim.start()  # freed heap memory goes back to the system (soak: flat memory)
         engine = Engine(
             cfg.engine,
             resolve_model(cfg.engine.model, model_cache_dir()),
@@ -215,7 +216,7 @@ async def _serve(
         told = asyncio.create_task(phases.log_when(lambda: probes.assigned() > 0))
         if cfg.log_level != "DEBUG":
             quiet_connection_noise()
-        watching = asyncio.create_task(watch_brokers(cfg.kafka.bootstrap_servers.split(",")))
+        watching = asyncio.create_task(watch_brokers(cfg.kafka))
         log.info("worker %s consuming %s", cfg.worker_id, cfg.kafka.input_topic)
         summary = asyncio.create_task(_summarise_forever(metrics))
         code = await worker.run()

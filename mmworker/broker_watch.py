@@ -12,16 +12,20 @@ log_level is DEBUG.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from mmworker.client import unreachable
+from mmworker.config import KafkaConfig
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two checks of the bootstrap servers.
 CHECK_EVERY_S = 2.0
+#: Most seconds a broker may take to answer ApiVersions before it counts as lost.
+ANSWER_TIMEOUT_S = 5.0
 
 #: kafka-python's words for one failed attempt on a lost connection (its loggers `kafka.*`).
 CONNECTION_NOISE: tuple[str, ...] = (
@@ -57,13 +61,24 @@ def quiet_connection_noise() -> None:
             handler.addFilter(ConnectionNoise())
 
 
+def probe_for(cfg: KafkaConfig) -> Callable[[Sequence[str]], str | None]:
+    """A broker frozen or hung still accepts connections (the kernel completes them), so on
+    listeners that speak Kafka before any handshake the check also waits for an answer to
+    ApiVersions; on TLS ones a connect is all it asks."""
+    if cfg.security_protocol in ("PLAINTEXT", "SASL_PLAINTEXT"):
+        return functools.partial(unreachable, answer_timeout_s=ANSWER_TIMEOUT_S)
+    return unreachable
+
+
 async def watch_brokers(
-    servers: Sequence[str],
+    cfg: KafkaConfig,
     on_change: Callable[[bool], None] = lambda _up: None,
     every_s: float = CHECK_EVERY_S,
-    probe: Callable[[Sequence[str]], str | None] = unreachable,
+    probe: Callable[[Sequence[str]], str | None] | None = None,
 ) -> None:
-    """Log one line when none of `servers` answers and one when one does again."""
+    """Log one line when none of the bootstrap servers answers and one when one does again."""
+    servers = cfg.bootstrap_servers.split(",")
+    probe = probe or probe_for(cfg)
     lost_at: float | None = None
     while True:
         reason = await asyncio.to_thread(probe, servers)

@@ -6,6 +6,8 @@ had not been committed yet."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 import zlib
@@ -26,7 +28,12 @@ JOBS = 150
 
 
 @pytest.mark.timeout(600)
-def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["restart", "freeze"])
+def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(
+    tmp_path: Path, fault: str
+) -> None:
+    """`restart`: SIGTERM, 5 s down, a new broker on the same port and store. `freeze`: SIGSTOP
+    for 8 s, then SIGCONT (a hung broker: connections are accepted, nothing is answered)."""
     with ObjectStore() as store:
         broker = EmbeddedBroker(store=store).start()
         worker = None
@@ -49,10 +56,16 @@ def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(tmp_path: Path)
             while len(collector.by_job) < 30 and time.monotonic() < deadline:
                 collector.pump(200)
             collector.close()
-            broker.stop()
             down_at = time.monotonic()
-            time.sleep(5)
-            broker.start()
+            if fault == "restart":
+                broker.stop()
+                time.sleep(5)
+                broker.start()
+            else:
+                assert broker.pid is not None
+                os.kill(broker.pid, signal.SIGSTOP)
+                time.sleep(8)
+                os.kill(broker.pid, signal.SIGCONT)
             print(f"\nbroker down {time.monotonic() - down_at:.1f}s")
             collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
             collector.wait_for({job_id for job_id, _ in jobs}, 300, worker)

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from mmworker.broker_watch import ConnectionNoise, watch_brokers
+from mmworker.config import KafkaConfig
 
 
 def test_one_line_when_lost_and_one_when_back(caplog: pytest.LogCaptureFixture) -> None:
@@ -20,7 +21,8 @@ def test_one_line_when_lost_and_one_when_back(caplog: pytest.LogCaptureFixture) 
         return next(answers)
 
     async def scenario() -> None:
-        task = asyncio.create_task(watch_brokers(["127.0.0.1:9"], seen.append, 0.001, probe))
+        cfg = KafkaConfig(bootstrap_servers="127.0.0.1:9")
+        task = asyncio.create_task(watch_brokers(cfg, seen.append, 0.001, probe))
         while len(seen) < 2:
             await asyncio.sleep(0.001)
         task.cancel()
