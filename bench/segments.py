@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=6, help="video.max_frames of each segment")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=JSON",
+        help="a worker setting (also read by the peer's engine), as mmworker run --set",
+    )  # fmt: skip
     p.add_argument("--skip-worker", action="store_true")
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--out", type=Path, default=OUT / "segments.json")
@@ -72,11 +76,16 @@ def make_clips(args: argparse.Namespace, workdir: Path) -> list[Path]:
     return paths
 
 
-def worker_args(workdir: Path, port: int, bootstrap: str, topics: dict[str, str]) -> list[str]:
+def worker_args(
+    workdir: Path, port: int, bootstrap: str, topics: dict[str, str], sets: list[str]
+) -> list[str]:
     from mmworker.devkit.demo import worker_command
 
-    return worker_command(bootstrap, workdir, topics, f"bench-seg-{uuid.uuid4().hex[:6]}",
-                          {"metrics_port": port})  # fmt: skip
+    extra: dict[str, object] = {"metrics_port": port}
+    for item in sets:
+        key, _, value = item.partition("=")
+        extra[key] = json.loads(value)
+    return worker_command(bootstrap, workdir, topics, f"bench-seg-{uuid.uuid4().hex[:6]}", extra)
 
 
 def job_bytes(job_id: str, clip: Path, args: argparse.Namespace) -> bytes:
@@ -114,7 +123,7 @@ def run_worker(args: argparse.Namespace, clips: list[Path], workdir: Path) -> di
         port = free_port()
         log_path = workdir / "worker.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(worker_args(workdir, port, broker.bootstrap, topics),
+            proc = subprocess.Popen(worker_args(workdir, port, broker.bootstrap, topics, args.set),
                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         reader = ResultReader(broker.bootstrap, [topics["output"], topics["dlq"]])
         alive = lambda: proc.poll() is None  # noqa: E731
@@ -200,8 +209,8 @@ def run_peer(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict
     from mmworker.devkit.broker import free_port
     from mmworker.engine import chat_prompt
 
-    argv = worker_args(workdir, free_port(), "127.0.0.1:9", {"input": "i", "output": "o",
-                                                            "dlq": "d"})[3:]  # fmt: skip
+    topics = {"input": "i", "output": "o", "dlq": "d"}
+    argv = worker_args(workdir, free_port(), "127.0.0.1:9", topics, args.set)[3:]
     cfg = load_worker_config(argv)
     llm = LLM(**engine_kwargs(cfg, resolve_model_path("tiny")))
     tokenizer = llm.get_tokenizer()
