@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from mmworker import health, lifeline, logs
+from mmworker import health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
@@ -173,6 +173,7 @@ async def _serve(
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
+        heap_trim.start()  # freed heap memory goes back to the system (soak: flat memory)
         engine = Engine(
             cfg.engine,
             resolve_model(cfg.engine.model, model_cache_dir()),

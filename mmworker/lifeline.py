@@ -23,6 +23,8 @@ import os
 import signal
 import sys
 
+from mmworker import heap_trim
+
 log = logging.getLogger(__name__)
 
 #: Set by the worker before it starts the engine: its own pid.
@@ -41,6 +43,7 @@ def install() -> None:
     if not owner or int(owner) == os.getpid():
         return  # not started by a worker, or the worker's own process (the front end)
     die_with_parent()
+    heap_trim.start()  # the engine core's freed heap memory goes back to the system too
     # Own process group: signals for the worker's group (Ctrl-C, `kill -INT -PGID`) skip us;
     # the worker stops the engine through vLLM's shutdown.
     try:
@@ -59,6 +62,7 @@ def pool_child(level: str = "INFO", fmt: str = "text") -> None:
     logs.setup(level, fmt="json" if fmt == "json" else "text")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    heap_trim.start()
     try:
         os.setpgid(0, 0)
     except PermissionError:

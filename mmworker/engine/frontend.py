@@ -22,6 +22,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from mmworker import heap_trim
+
 log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h).
@@ -49,6 +51,7 @@ def keep_heap() -> bool:
     mallopt.restype = ctypes.c_int
     ok = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if ok:
+        heap_trim.hold()  # a periodic malloc_trim would undo this
         log.info("front end: malloc keeps freed memory (mmap off, trim above %d MiB)",
                  TRIM_THRESHOLD >> 20)  # fmt: skip
     return ok
