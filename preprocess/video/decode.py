@@ -154,6 +154,7 @@ class _Decoder:
         self.original_size: tuple[int, int] | None = None
         self.outcome = Outcome()
         self._target: tuple[int, int] | None = None  # (height, width), upright
+        self._ops: list[Image.Transpose] = []  # to show it upright, from the first frame
         self._by_key = {(p.pts, p.dts): i for i, p in enumerate(timeline.packets)}
         self._seekable = timeline.timed and len(self._by_key) == len(timeline.packets)
         self._converter = converter
@@ -205,6 +206,7 @@ class _Decoder:
             abort=self._abort,
         )
         other._target, other.original_size = self._target, self.original_size
+        other._ops = self._ops
         return other
 
     def _decode(self, runs: Sequence[Run]) -> None:
@@ -316,7 +318,9 @@ class _Decoder:
     def _geometry(self, frame: VideoFrame) -> tuple[tuple[int, int], list[Image.Transpose]]:
         """Check the frame and fix the output size on the first one: (size to resize to, ops)."""
         check_source_size(frame.width, frame.height, self.params)
-        ops = orientation(frame)
+        if self._target is None:
+            self._ops = orientation(frame)  # the track's display matrix: once per video
+        ops = self._ops
         swap = any(op in SWAPS for op in ops)
         upright = (frame.height, frame.width) if not swap else (frame.width, frame.height)
         if self._target is None:

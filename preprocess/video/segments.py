@@ -272,6 +272,7 @@ class _Keeper:
         self.last_s = start_s
         self.last_duration = 0.0
         self.size: tuple[int, int] | None = None  # (height, width) upright
+        self.ops: list[Image.Transpose] = []  # to show it upright, from the first frame
         self.original_size: tuple[int, int] | None = None
         self.source_fps = 0.0
 
@@ -294,7 +295,9 @@ class _Keeper:
 
     def _pixels(self, frame: VideoFrame) -> npt.NDArray[np.uint8]:
         check_source_size(frame.width, frame.height, self.params)
-        ops = orientation(frame)
+        if self.size is None:
+            self.ops = orientation(frame)  # the track's display matrix: once per segment
+        ops = self.ops
         swap = any(op in SWAPS for op in ops)
         upright = (frame.width, frame.height) if swap else (frame.height, frame.width)
         if self.size is None:
