@@ -9,9 +9,14 @@ The state that makes a restart safe is one append-only file beside the output, t
 (`RESULTS.journal`): a line per posted job (with its payload, so it can be re-posted without the
 manifest), a line per answer, and the collector's topic positions written after the answers
 they cover. Answers and positions live in one file, so a SIGKILL can never leave positions ahead
-of the answers they stand for (a Kafka commit and a local file cannot be written together). At
-the end the journal is rewritten as the output (Parquet or JSONL, duplicates dropped by job id)
-and removed.
+of the answers they stand for (a Kafka commit and a local file cannot be written together).
+
+An answer stands for a row only while the row asks the same thing: each job carries a
+fingerprint of its question (media, prompt, task, options), and an answer counts under its job
+id and fingerprint. So a re-run with other options, an edited manifest or a late answer to an
+old question can never give a row two outputs or the wrong one (issue #35). At the end the
+output is written from the manifest, in its order, one row per job, with the retry manifest of
+its failed rows in the same pass, and the journal is removed.
 """
 
 from __future__ import annotations

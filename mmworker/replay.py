@@ -7,6 +7,11 @@ can be posted again as it was. What is posted is that payload with one change: t
 how often. The worker gives a replayed job a fresh set of `limits.max_attempts`. A failure whose
 payload the worker had to cut (over 64 KiB) is refused: posting a cut message would only turn
 one failure into an `invalid_json` one.
+
+A plain replay does not know which backfill a job belongs to. With `--backfill-out RESULTS` it
+replays only that finished output's failed rows, waits for their answers (told from the earlier
+failure by the replay count they carry) and writes them into the output in place, since the
+backfill's own run is over and nothing else would bring them there.
 """
 
 from __future__ import annotations
