@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -79,6 +80,9 @@ class Options:
     window: int = 600
     probe: bool = False
     tracemalloc: bool = False
+    #: Jobs between two marks (memory maps of every process, and the probes with --probe);
+    #: 0: at a quarter, half and three quarters of the run.
+    probe_every: int = 0
     timeout_s: float = 3600.0
     out: Path | None = None
     keep: bool = False
@@ -116,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tracemalloc", action="store_true", help="with --probe: trace Python allocations (slow)"
+    )
+    p.add_argument(
+        "--probe-every",
+        type=int,
+        default=d.probe_every,
+        metavar="JOBS",
+        help="jobs between marks (memory maps, and probes with --probe); 0: quarters",
     )
     p.add_argument("--timeout-s", type=float, default=d.timeout_s)
     p.add_argument("--out", type=Path, default=None, help="default bench/results/soak-TAG.json")
@@ -205,6 +216,96 @@ def smaps_rollup(pid: int) -> dict[str, float] | None:
         name, _, rest = line.partition(":")
         if name in SMAPS_FIELDS:
             out[name] = int(rest.split()[0]) / 1024
+    return out
+
+
+def memory_regions(pid: int) -> dict[str, dict[str, int]] | None:
+    """Resident kB per mapping of a process, keyed by start address and what it maps.
+
+    Summed counters (RSS, mallinfo) say *that* a process grows; a mapping says *where*: glibc's
+    main heap (`[heap]`), a thread arena (anonymous, inside a 64 MiB reservation), one large
+    allocation mmapped by malloc or torch, a file read through mmap (weights, the feature cache).
+    mallinfo counts a mapping's whole size, touched or not, so a buffer whose pages are touched
+    over hours (a KV cache used block by block) shows here and not there.
+    """
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    regions: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    for line in text.splitlines():
+        head = line.split(maxsplit=5)
+        if "-" in head[0] and not head[0].endswith(":"):
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            name = head[5] if len(head) > 5 else "[anon]"
+            current = {"size_kb": (end - start) // 1024, "rss_kb": 0, "anon_kb": 0}
+            regions[f"{head[0].split('-')[0]} {head[1]} {name}"] = current
+        elif current is not None and head[0] in ("Rss:", "Anonymous:"):
+            current["rss_kb" if head[0] == "Rss:" else "anon_kb"] = int(head[1])
+    return regions
+
+
+def region_class(key: str, size_kb: int) -> str:
+    """Coarse kind of a mapping: what a reader of the growth table needs to tell apart."""
+    start, _perms, name = key.split(" ", 2)
+    if name == "[anon]":
+        # glibc reserves each thread arena's heap at a 64 MiB-aligned address.
+        arena = int(start, 16) % (64 << 20) == 0
+        return "anon: malloc thread arena" if arena else "anon: mmap (large allocation)"
+    if name.startswith("["):
+        return name
+    if ".so" in name:
+        return "shared library"
+    return "file: " + name.rsplit("/", 1)[-1][:40]
+
+
+def region_growth(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], top: int = 8
+) -> dict[str, Any]:
+    """MiB of resident memory gained between two snapshots: by kind, and the mappings that
+    gained most (a mapping that appeared counts whole, one that went away counts negative)."""
+    keys = set(before) | set(after)
+    empty = {"size_kb": 0, "rss_kb": 0, "anon_kb": 0}
+    rows: list[dict[str, Any]] = []
+    by_class: dict[str, float] = {}
+    for k in keys:
+        a, b = before.get(k, empty), after.get(k, empty)
+        d = (b["rss_kb"] - a["rss_kb"]) / 1024
+        size = max(a["size_kb"], b["size_kb"])
+        cls = region_class(k, size)
+        by_class[cls] = by_class.get(cls, 0.0) + d
+        rows.append({"mapping": k, "size_mib": round(size / 1024, 1), "rss_gain_mib": round(d, 2),
+                     "rss_mib": round(b["rss_kb"] / 1024, 1)})  # fmt: skip
+    rows.sort(key=lambda r: -abs(r["rss_gain_mib"]))
+    kinds = sorted(by_class.items(), key=lambda kv: kv[1])
+    return {
+        "by_kind_mib": {k: round(v, 1) for k, v in kinds if abs(v) >= 0.5},
+        "top_mappings": [r for r in rows[:top] if r["rss_gain_mib"] != 0],
+    }
+
+
+def mark_regions(root: int, label: str, answered: int) -> dict[str, Any]:
+    """Every process's mappings at one mark (kept whole only until the summary is made)."""
+    procs = {}
+    for pid in tree_pids(root):
+        regions = memory_regions(pid)
+        if regions is not None:
+            procs[str(pid)] = {"role": role_of(pid, root), "regions": regions}
+    return {"label": label, "answered": answered, "processes": procs}
+
+
+def regions_report(marks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Growth per process from each mark to the next (processes present at both)."""
+    out = []
+    for a, b in itertools.pairwise(marks):
+        for pid, pb in b["processes"].items():
+            pa = a["processes"].get(pid)
+            if pa is None:
+                continue
+            growth = region_growth(pa["regions"], pb["regions"])
+            span = {"from": a["answered"], "to": b["answered"], "pid": int(pid)}
+            out.append({**span, "role": pb["role"], **growth})
     return out
 
 
@@ -303,6 +404,25 @@ PROBE_SITECUSTOMIZE = textwrap.dedent(
 
 
     def _probe(signum, frame):
+        # A handler that raises would raise inside whatever the main thread was doing, and
+        # stop the worker under test: report the error instead.
+        try:
+            _probe_now()
+        except Exception as exc:  # noqa: BLE001
+            _STATE["n"] += 1
+            _write({"pid": os.getpid(), "argv": [], "lru_caches": [], "error": repr(exc)})
+
+
+    def _write(out):
+        import json
+
+        path = os.path.join(_DIR, f"probe-{os.getpid()}-{_STATE['n']}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)
+
+
+    def _probe_now():
         import gc
         import json
         import sys
@@ -317,6 +437,13 @@ PROBE_SITECUSTOMIZE = textwrap.dedent(
         cache_mod = sys.modules.get("vllm.utils.cache")
         torch = sys.modules.get("torch")
         objs = gc.get_objects()
+        counts = {}
+        for o in objs:
+            t = type(o)
+            name = f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', '?')}"
+            counts[name] = counts.get(name, 0) + 1
+        out["object_counts"] = sorted(counts.items(), key=lambda kv: -kv[1])[:60]
+        out["threads"] = len(sys._current_frames())
         if cache_mod is not None:
             # vLLM gc.freeze()s after start-up, and frozen objects are not in get_objects():
             # reach the caches made before that through the live frames' locals too.
@@ -368,10 +495,7 @@ PROBE_SITECUSTOMIZE = textwrap.dedent(
                 for s in stats[:15]]
             _STATE["prev"] = snap
         _STATE["n"] += 1
-        path = os.path.join(_DIR, f"probe-{os.getpid()}-{_STATE['n']}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(out, f)
-        os.replace(path + ".tmp", path)
+        _write(out)
 
 
     def _install():
@@ -518,17 +642,23 @@ def run(opts: Options) -> dict[str, Any]:
             bootstrap_servers=[broker.bootstrap], acks=1, linger_ms=20, max_request_size=8 << 20
         )
         answers = Answers(broker.bootstrap, [topics["output"], topics["dlq"]])
+        report["region_marks"] = []  # whole memory maps: used for region_growth, not written
         try:
             _drive(opts, worker, log_path, producer, topics["input"], answers, maker, probes,
                    report)  # fmt: skip
         except (RuntimeError, TimeoutError) as exc:  # keep what was sampled: it is the evidence
             report["error"] = str(exc)
             print(f"[{opts.tag}] stopped early: {exc}", file=sys.stderr, flush=True)
+            if worker.poll() is None:  # a timeout: the tree is still there to be measured
+                marks = report["region_marks"]
+                marks.append(mark_regions(worker.pid, "stopped", len(answers.ids)))
+                report["region_growth"] = regions_report(marks)
         finally:
             producer.close()
             answers.close()
             report["worker_exit_code"] = _stop(worker)
             report["worker_log_tail"] = log_path.read_text(errors="replace")[-3000:]
+    del report["region_marks"]
     report["job_mix"] = maker.counts
     report["summary"] = summarise(report)
     if not opts.keep:
@@ -560,7 +690,13 @@ def _drive(
     print(f"[{opts.tag}] worker ready after {report['startup_s']}s", flush=True)
     samples: list[dict[str, Any]] = report["samples"]
     posted, next_sample = 0, ready
-    probe_marks = sorted({opts.jobs // 4, opts.jobs // 2, 3 * opts.jobs // 4})
+    every = opts.probe_every
+    probe_marks = (
+        list(range(every, opts.jobs, every))
+        if every > 0
+        else sorted({opts.jobs // 4, opts.jobs // 2, 3 * opts.jobs // 4})
+    )
+    region_marks: list[dict[str, Any]] = report["region_marks"]
     first_answer: float | None = None
     while len(answers.ids) < opts.jobs:
         now = time.monotonic()
@@ -587,12 +723,18 @@ def _drive(
                 + "  ".join(f"{r} {v['Rss']:.0f}" for r, v in sorted(s["roles"].items())),
                 flush=True,
             )
-        if probes is not None and probe_marks and len(answers.ids) >= probe_marks[0]:
+        if probe_marks and len(answers.ids) >= probe_marks[0]:
             probe_marks.pop(0)
-            report["probes"] += fire_probes(worker.pid, probes, f"{len(answers.ids)} jobs")
+            label = f"{len(answers.ids)} jobs"
+            region_marks.append(mark_regions(worker.pid, label, len(answers.ids)))
+            report["region_growth"] = regions_report(region_marks)
+            if probes is not None:
+                report["probes"] += fire_probes(worker.pid, probes, label)
     end = time.monotonic()
     samples.append(_sample(worker.pid, end - ready, posted, len(answers.ids)))
     report["final_processes"] = sample_tree(worker.pid)
+    region_marks.append(mark_regions(worker.pid, "end", len(answers.ids)))
+    report["region_growth"] = regions_report(region_marks)
     if probes is not None:
         report["probes"] += fire_probes(worker.pid, probes, "end")
     report["answered"] = len(answers.ids)
@@ -671,7 +813,21 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         "end_tree_rss_mib": samples[-1]["tree"]["Rss"],
         "by_role_first": first["roles"],
         "by_role_end": samples[-1]["roles"],
+        "region_growth_last_half_mib": _regions_last_half(report, total),
     }
+
+
+def _regions_last_half(report: dict[str, Any], total: int) -> dict[str, dict[str, float]]:
+    """Resident MiB gained per process role and kind of mapping, between the marks of the
+    second half: where the last half's slope lives."""
+    out: dict[str, dict[str, float]] = {}
+    for step in report.get("region_growth", []):
+        if step["from"] < total / 2:
+            continue
+        kinds = out.setdefault(step["role"], {})
+        for kind, mib in step["by_kind_mib"].items():
+            kinds[kind] = round(kinds.get(kind, 0.0) + mib, 1)
+    return out
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -703,6 +859,8 @@ def print_report(report: dict[str, Any]) -> None:
         ["process", "n", "RSS first", "RSS end", "PSS end", "anon end", "MiB/1k jobs"],
         rows,
     )
+    for role, kinds in s.get("region_growth_last_half_mib", {}).items():
+        print(f"  resident MiB gained over the last half, {role}: {kinds}")
     for p in report.get("probes", []):
         caches = "; ".join(
             f"{c['entries']} × {c['value_type']} = {c['currsize_mib']:.0f}/{c['maxsize_mib']:.0f}"
@@ -734,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window,
         probe=args.probe or args.tracemalloc,
         tracemalloc=args.tracemalloc,
+        probe_every=args.probe_every,
         timeout_s=args.timeout_s,
         out=args.out,
         keep=args.keep,
