@@ -51,6 +51,7 @@ def _jobs(clip: bytes) -> list[tuple[str, bytes]]:
     return [(j.job_id, j.model_dump_json(exclude_defaults=True).encode()) for j in jobs]
 
 
+@pytest.mark.timeout(START_S + 600)  # the shared worker may start inside it (up to 300 s)
 def test_ten_minute_clip_in_scene_and_fixed_segments(service: Service) -> None:
     clip = scene_video(CUTS, DURATION_S)
     jobs = _jobs(clip)
