@@ -282,6 +282,8 @@ class JobRunner:
             while out is None:  # preempted by a live job: again, as in `_attempt`
                 out = await self._generate(asked, ctx, instruction, items, guided, isolated,
                                            background)  # fmt: skip
+            self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
+            self._metrics.output_tokens.inc(out.output_tokens)
             return out
 
         budget = self._budgets(job, plan)[0].video

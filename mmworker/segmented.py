@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 #: Segments of one job prepared or in the engine at once (see the module's docstring).
 SEGMENTS_IN_FLIGHT = 4
+#: Tries of one segment's request when it fails with a retryable code.
+SEGMENT_ATTEMPTS = 2
 DEFAULT_SUMMARY_PROMPT = (
     "Below are captions of consecutive segments of one video, with their times in seconds. "
     "Summarise what happens in the whole video in a few sentences."
@@ -188,7 +190,9 @@ async def _caption(
     uuid = f"{make_key(sha, params)}:{seg.start_s:.3f}-{seg.end_s:.3f}"
     instruction = segment_instruction(spec, plan, seg.start_s, seg.end_s)
     try:
-        out = await generate(instruction, [EngineItem(video, uuid)], job.generation, checked)
+        out = await _generate_retrying(
+            generate, instruction, [EngineItem(video, uuid)], job.generation, checked
+        )
         parsed = None
         if checked is not None:
             parsed = parse_answer(
@@ -215,6 +219,25 @@ async def _caption(
     )  # fmt: skip
     # One line per segment: a long video's progress shows in the log while it runs.
     log.info("job %s: segment %.1f-%.1fs captioned", job.job_id, slot.start_s, slot.end_s)
+
+
+async def _generate_retrying(
+    generate: Generate, instruction: str, items: list[EngineItem],
+    generation: GenerationParams, checked: Checked | None,
+) -> EngineOutput:  # fmt: skip
+    """A segment's request, tried again once after a retryable failure (a busy or restarting
+    engine): retrying the whole job would run every segment again."""
+    attempt = 1
+    while True:
+        try:
+            return await generate(instruction, items, generation, checked)
+        except (EngineFatal, PreprocessPoolDead):
+            raise
+        except CodedError as exc:
+            if not exc.retryable or attempt >= SEGMENT_ATTEMPTS:
+                raise
+            attempt += 1
+            log.warning("segment request failed (%s); trying it again", exc.message)
 
 
 async def _summarise(

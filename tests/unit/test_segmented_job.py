@@ -19,7 +19,7 @@ from mmworker.engine import EngineItem, EngineOutput
 from mmworker.engine.guidance import Checked
 from mmworker.errors import RequestFailed
 from mmworker.records import Context
-from mmworker.segmented import SEGMENTS_IN_FLIGHT, run_segments
+from mmworker.segmented import SEGMENT_ATTEMPTS, SEGMENTS_IN_FLIGHT, run_segments
 from mmworker.tasks import plan_job
 
 CLIP = scene_video([], 60.0)
@@ -136,3 +136,28 @@ def test_at_most_segments_in_flight_are_prepared_or_in_the_engine() -> None:
     result = asyncio.run(_run(_job(every_s=2.0), media, counted))
     assert len(result.segments) == 30  # type: ignore[attr-defined]
     assert peak == SEGMENTS_IN_FLIGHT
+
+
+def test_a_retryable_segment_failure_is_tried_once_more_and_a_permanent_one_is_not() -> None:
+    calls: dict[str, int] = {}
+
+    async def flaky(
+        instruction: str, items: list[EngineItem], generation: GenerationParams,
+        checked: Checked | None,
+    ) -> EngineOutput:  # fmt: skip
+        calls[instruction] = calls.get(instruction, 0) + 1
+        if "from 10.0s" in instruction and calls[instruction] == 1:
+            raise RequestFailed("engine request failed: busy")  # retryable
+        if "from 30.0s" in instruction:
+            raise RequestFailed("engine rejected the request: bad", retryable=False)
+        return _answer("ok")
+
+    result = asyncio.run(_run(_job(), _Media(), flaky))
+    segs = result.segments  # type: ignore[attr-defined]
+    assert segs[1].error is None
+    assert segs[1].text == "ok"
+    assert segs[3].error is not None
+    tries = {k.split(" from ")[1][:5]: v for k, v in calls.items()}
+    assert tries["10.0s"] == SEGMENT_ATTEMPTS
+    assert tries["30.0s"] == 1
+    assert tries["0.0s "] == 1
