@@ -1131,7 +1131,7 @@ class Collector:
         for topic in topics:
             found = self._consumer.partitions_for_topic(topic)
             if not found:
-                self._consumer.close()
+                close_reader(self._consumer)
                 raise ConfigError(
                     f"no topic {topic!r} on the brokers: a worker creates its topics with "
                     "--create-topics N; the backfill reads answers there"

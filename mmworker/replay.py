@@ -168,7 +168,9 @@ def scan(cfg: WorkerConfig, selection: Selection) -> Scan:
                     out.matched += 1  # a job's later failure replaces its earlier one
                     out.chosen[_key(failure)] = (failure, (record.partition, record.offset))
     finally:
-        consumer.close()
+        from mmworker.backfill import close_reader
+
+        close_reader(consumer)  # kafka-python's own close races its I/O thread (issue #35)
     return out
 
 
