@@ -330,7 +330,7 @@ def test_replay_reposts_dead_lettered_jobs(lab: Lab, worker: WorkerProcess) -> N
     payloads = [(j.job_id, j.model_dump_json().encode()) for j in jobs]
     post(lab.bootstrap, lab.topics["input"], payloads, Posted())
     failures = Collector(lab.bootstrap, [lab.topics["dlq"]])
-    failures.wait_for({j.job_id for j in jobs}, 120, worker)
+    failures.wait_for({j.job_id for j in jobs}, 300, worker)  # a cold worker may start here
     codes = {j.job_id: failures.one(j.job_id)[1]["code"] for j in jobs}
     failures.close()
     assert codes == {"rp-later-0": "fetch_failed", "rp-later-1": "fetch_failed",
@@ -357,7 +357,7 @@ def test_replay_reposts_dead_lettered_jobs(lab: Lab, worker: WorkerProcess) -> N
     assert real.returncode == 0, real.stderr
     assert "replayed 3 jobs to" in real.stderr and "0 refused" in real.stderr
     results = Collector(lab.bootstrap, [lab.topics["output"]])
-    results.wait_for({f"rp-later-{i}" for i in range(3)}, 120, worker)
+    results.wait_for({f"rp-later-{i}" for i in range(3)}, 300, worker)
     time.sleep(1)
     results.pump()
     for i in range(3):  # answered once: the dry run posted nothing
