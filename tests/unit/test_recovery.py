@@ -46,12 +46,12 @@ def test_a_first_death_restarts_without_a_cap() -> None:
     assert not v.give_up and v.state.cap is None and v.state.deaths == (0.0,)
 
 
-def test_a_second_death_with_other_jobs_inside_halves_what_was_inside() -> None:
+def test_a_second_death_with_other_jobs_inside_quarters_what_was_inside() -> None:
     first = after_death(Degrade(), 0.0, jobs(*"abcdefgh"), LIMITS).state
-    second = after_death(first, 5.0, jobs(*"ijklmnop", "q", "r"), LIMITS)
-    assert not second.give_up and second.state.cap == 5  # 10 inside → 5
-    third = after_death(second.state, 9.0, jobs("s", "t", "u", "v"), LIMITS)
-    assert third.state.cap == 2  # 4 inside → 2, below the cap of 5
+    second = after_death(first, 5.0, jobs(*"ijklmnop", "q", "r", "w", "x"), LIMITS)
+    assert not second.give_up and second.state.cap == 3  # 12 inside → 3
+    third = after_death(second.state, 9.0, jobs("s", "t", "u", "v", "y"), LIMITS)
+    assert third.state.cap == 1  # the cap of 3, not the 5 inside, is quartered: at least 1
 
 
 def test_the_same_job_inside_again_is_the_suspects_business_not_load() -> None:
