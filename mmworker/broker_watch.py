@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two checks of the bootstrap servers.
 CHECK_EVERY_S = 2.0
+#: ... while they are lost: kafka-python reconnects within a second or so of their return, and the
+#: "back" line should not trail the first results published by seconds.
+CHECK_LOST_EVERY_S = 0.5
 #: Most seconds a broker may take to answer ApiVersions before it counts as lost.
 ANSWER_TIMEOUT_S = 5.0
 
@@ -74,6 +77,7 @@ async def watch_brokers(
     cfg: KafkaConfig,
     on_change: Callable[[bool], None] = lambda _up: None,
     every_s: float = CHECK_EVERY_S,
+    lost_every_s: float = CHECK_LOST_EVERY_S,
     probe: Callable[[Sequence[str]], str | None] | None = None,
 ) -> None:
     """Log one line when none of the bootstrap servers answers and one when one does again."""
@@ -95,4 +99,4 @@ async def watch_brokers(
             log.info("Kafka brokers back after %.0fs", now - lost_at)
             lost_at = None
             on_change(True)
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(every_s if lost_at is None else lost_every_s)
