@@ -77,8 +77,8 @@ async def watch_brokers(
     cfg: KafkaConfig,
     on_change: Callable[[bool], None] = lambda _up: None,
     every_s: float = CHECK_EVERY_S,
-    lost_every_s: float = CHECK_LOST_EVERY_S,
     probe: Callable[[Sequence[str]], str | None] | None = None,
+    lost_every_s: float = CHECK_LOST_EVERY_S,
 ) -> None:
     """Log one line when none of the bootstrap servers answers and one when one does again."""
     servers = cfg.bootstrap_servers.split(",")
