@@ -145,6 +145,20 @@ def _wait_until(proc: subprocess.Popen[bytes], done: Any, log: Path, timeout: fl
         time.sleep(0.05)
 
 
+def _still_for(path: Path, seconds: float) -> Any:
+    """A condition for `_wait_until`: `path` has not changed size for `seconds`."""
+    last = (-1, time.monotonic())
+
+    def still() -> bool:
+        nonlocal last
+        size = path.stat().st_size
+        if size != last[0]:
+            last = (size, time.monotonic())
+        return time.monotonic() - last[1] >= seconds
+
+    return still
+
+
 def _check_output(rows: list[dict[str, Any]], expected: dict[str, tuple[str, str]],
                   captions: dict[str, str], name: str) -> None:  # fmt: skip
     assert len(rows) == len(expected) == len({r["job_id"] for r in rows})
@@ -195,6 +209,11 @@ def test_backfill_survives_two_sigkills(
     _wait_until(first, lambda: _answers_in(out) >= ROWS // 4, log, 240)
     worker.signal(signal.SIGSTOP)
     try:
+        # Until its window is full of jobs the frozen worker cannot answer: the run has then
+        # collected every answer already on the topic and has no room to post (its journal is
+        # still for 2 s). Killed any earlier, the restart could find those answers and room to
+        # post new rows instead of re-posting.
+        _wait_until(first, _still_for(journal_path(out), 2.0), log, 60)
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         before = posted()
