@@ -371,12 +371,10 @@ def _get(
     """One request: the body, or the Location of a redirect to follow."""
     sock = _connect(target, addresses, deadline, handle)
     try:
-        request = f"GET {target.path} HTTP/1.1\r\nHost: {target.netloc}\r\n" + "".join(
-            f"{key}: {value}\r\n" for key, value in _HEADERS.items()
-        )
-        sock.settimeout(_remaining(deadline, target))
-        sock.sendall(f"{request}\r\n".encode("ascii"))
         reader = Reader(sock, deadline, target.shown)
+        request = reader.request(target.path, {"Host": target.netloc, **_HEADERS})
+        sock.settimeout(_remaining(deadline, target))
+        sock.sendall(request)
         head = reader.head()
         if head.status in _REDIRECTS:
             location = head.get("location")

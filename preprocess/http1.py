@@ -1,11 +1,22 @@
-"""A small HTTP/1.1 response reader for servers that may be hostile.
+"""One HTTP/1.1 exchange with a server that may be hostile: h11 parses, this module bounds.
 
 `http.client` trusts its peer in ways a media fetcher cannot afford: it reads status lines, 1xx
 responses, chunk-size lines and trailers through a buffered file whose reads a caller cannot bound
 in time (a server dripping a byte at a time holds the thread as long as it likes), it reads
-trailers with no size limit at all, and it turns a malformed number into a bare ValueError. Here
-every receive is armed with what is left of one deadline, every part of the response has a byte
-budget, and every way a server can break the protocol is a typed `PreprocessError`.
+trailers with no size limit at all, and it turns a malformed number into a bare ValueError.
+h11 parses only the bytes it is handed, so the socket stays here: every receive is armed with what
+is left of one deadline, every part of the response has a byte budget, and every way a server can
+break the protocol is a typed `PreprocessError`.
+
+What h11 accepts and a fetcher must not is refused here: a status over 599, more than
+`MAX_FIELDS` fields, and a status line that is not HTTP/1.0 or 1.1 or has control characters in
+its reason (which reaches logs and dead-letter records). That line is checked as soon as it is
+in: h11 parses a head only once all of it has come, and a server that sent "SSH-2.0-..." and
+waits must fail at once, not at the deadline. h11 refuses a Content-Length of over 20 digits as
+malformed; it stays `TooLarge` here, since what it declares is a body no limit allows. A
+connection closed before the message ended is `FetchFailed` (retryable), not a broken response.
+One leniency is lost to h11: white space between a chunk size and its extensions ("4 ; x"),
+which RFC 9112 tolerates, is refused as a malformed chunk header.
 
 Only what a single GET with `Connection: close` needs: no keep-alive, no request bodies, no
 content codings (the request asks for identity).
@@ -16,28 +27,29 @@ from __future__ import annotations
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import h11
 from mmworker.preprocess.errors import BadResponse, FetchFailed, FetchTimeout, TooLarge
 
 #: Interim (1xx) responses tolerated before the final one; real servers send one or two.
 MAX_INTERIM = 8
-#: Status lines and header fields of every head of one response (interim ones included).
+#: Every head of one response together (interim ones included); also h11's limit on one
+#: incomplete event, which bounds one chunk-size line and the trailer section.
 MAX_HEAD_BYTES = 64 * 1024
 #: Header fields in one head, and trailer fields after a chunked body.
 MAX_FIELDS = 100
-MAX_TRAILER_BYTES = 16 * 1024
-#: One chunk-size line, extensions included.
-MAX_CHUNK_LINE = 4096
-#: Chunk framing (size lines, CRLFs) allowed on top of max_bytes // 16: a body sent in absurdly
-#: small chunks, or with huge chunk extensions, is wire traffic the byte limit would not see.
+#: Chunk framing (size lines, CRLFs, trailers) allowed on top of max_bytes // 16: a body sent in
+#: absurdly small chunks, or with huge chunk extensions, is wire traffic the byte limit would
+#: not see.
 FRAMING_ALLOWANCE = 64 * 1024
 
 _RECV = 64 * 1024
+#: Stricter than h11: HTTP/1.0 or 1.1 only, and no control characters in the reason phrase,
+#: which reaches logs and dead-letter records.
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: ([^\x00-\x08\x0a-\x1f\x7f]*))?")
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_DIGITS = re.compile(r"[0-9]+")  # not \d, which takes any Unicode digit
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_HUGE_LENGTH = re.compile(rb"^content-length:[ \t]*[0-9]{21}", re.IGNORECASE | re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,172 +72,119 @@ class Reader:
         self._sock = sock
         self._deadline = deadline
         self._shown = shown
-        self._buf = bytearray()
+        self._conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self._received = 0
+        self._closed = False
+        #: The heads as they arrived: h11 parses a head only once its blank line has come, so a
+        #: status line that is not HTTP is caught here, before a server holding back the rest of
+        #: its "head" runs out the deadline.
+        self._heads = bytearray()
+        self._head_start = 0  # where the head being read begins in `_heads`
+        self._scanned: int | None = 0  # how far its status line was searched; None once checked
+
+    def request(self, target: str, headers: dict[str, str]) -> bytes:
+        """The bytes of the GET to send: h11 frames the response by the request it saw."""
+        fields = list(headers.items())
+        start = self._conn.send(h11.Request(method="GET", target=target, headers=fields))
+        return (start or b"") + (self._conn.send(h11.EndOfMessage()) or b"")
 
     # --- heads ----------------------------------------------------------------------------
 
     def head(self) -> Head:
         """The final response head, after at most `MAX_INTERIM` interim ones."""
-        budget = MAX_HEAD_BYTES
         for _ in range(MAX_INTERIM + 1):
-            head, used = self._head(budget)
-            budget -= used
-            if head.status >= 200:
-                return head
-            if head.status == 101:
-                raise BadResponse(f"{self._shown} switched protocols, which was not asked for")
+            try:
+                event = self._next(MAX_HEAD_BYTES, self._head_bytes)
+            except BadResponse:
+                if _HUGE_LENGTH.search(self._heads, self._head_start):
+                    raise TooLarge(
+                        f"{self._shown} declares a Content-Length of over 20 digits"
+                    ) from None
+                raise
+            if not isinstance(event, h11.InformationalResponse | h11.Response):
+                raise FetchFailed(f"{self._shown} closed the connection during the response head")
+            if event.status_code > 599:
+                raise BadResponse(f"{self._shown} sent status {event.status_code}, outside 100-599")
+            if len(event.headers) > MAX_FIELDS:
+                raise BadResponse(
+                    f"the response head from {self._shown} has over {MAX_FIELDS} fields"
+                )
+            fields = tuple((n.decode("ascii"), v.decode("latin-1")) for n, v in event.headers)
+            if isinstance(event, h11.Response):
+                self._heads = bytearray()
+                return Head(event.status_code, event.reason.decode("latin-1").strip(), fields)
+            self._head_start = len(self._heads) - len(self._conn.trailing_data[0])
+            self._scanned = self._head_start
+            self._head_bytes(b"")  # the next head may have come with this one
         raise BadResponse(f"{self._shown} sent more than {MAX_INTERIM} interim (1xx) responses")
 
-    def _head(self, budget: int) -> tuple[Head, int]:
-        line, used = self._line(budget, "response head")
-        match = _STATUS_LINE.fullmatch(line)
-        if match is None:
+    def _head_bytes(self, data: bytes) -> None:
+        self._heads += data
+        if self._scanned is None:
+            return
+        end = self._heads.find(b"\n", self._scanned)
+        if end < 0:
+            self._scanned = len(self._heads)
+            return
+        line = bytes(self._heads[self._head_start : end]).removesuffix(b"\r")
+        if _STATUS_LINE.fullmatch(line) is None:
             raise BadResponse(f"{self._shown} sent a malformed status line {line[:80]!r}")
-        status = int(match.group(1))
-        if not 100 <= status <= 599:
-            raise BadResponse(f"{self._shown} sent status {status}, outside 100-599")
-        fields, more = self._fields(budget - used, "response head")
-        reason = (match.group(2) or b"").decode("latin-1").strip()
-        return Head(status, reason, fields), used + more
-
-    def _fields(self, budget: int, what: str) -> tuple[tuple[tuple[str, str], ...], int]:
-        fields: list[tuple[str, str]] = []
-        used = 0
-        while True:
-            line, size = self._line(budget - used, what)
-            used += size
-            if not line:
-                return tuple(fields), used
-            if line[:1] in (b" ", b"\t"):  # obsolete line folding: a continuation (RFC 9112 §5.2)
-                if not fields:
-                    raise BadResponse(f"the {what} from {self._shown} starts with a continuation")
-                key, value = fields[-1]
-                fields[-1] = (key, f"{value} {_value(line, what, self._shown)}")
-                continue
-            if len(fields) >= MAX_FIELDS:
-                raise BadResponse(f"the {what} from {self._shown} has over {MAX_FIELDS} fields")
-            name, colon, raw = line.partition(b":")
-            if not colon or _TOKEN.fullmatch(name) is None:
-                raise BadResponse(
-                    f"the {what} from {self._shown} has a malformed field {line[:80]!r}"
-                )
-            fields.append((name.decode("ascii").lower(), _value(raw, what, self._shown)))
+        self._scanned = None
 
     # --- bodies ---------------------------------------------------------------------------
 
     def body(self, head: Head, max_bytes: int) -> bytes:
-        codings = [
-            c.strip().lower() for v in head.get_all("transfer-encoding") for c in v.split(",")
-        ]
-        if codings:
-            # Transfer-Encoding overrides Content-Length (RFC 9112 §6.3); only plain chunked is
-            # decodable, as identity was the only content coding asked for.
-            if codings != ["chunked"]:
-                raise BadResponse(
-                    f"{self._shown} used transfer coding {', '.join(codings)[:80]!r}; only "
-                    "chunked is supported"
-                )
-            return self._chunked(max_bytes)
-        length = self._content_length(head, max_bytes)
-        if length is None:
-            return self._until_close(max_bytes)
-        return self._exactly(length)
-
-    def _content_length(self, head: Head, max_bytes: int) -> int | None:
-        values = {item.strip() for v in head.get_all("content-length") for item in v.split(",")}
-        if not values:
-            return None
-        if len(values) > 1:
-            raise BadResponse(f"{self._shown} sent conflicting Content-Length values")
-        (text,) = values
-        if _DIGITS.fullmatch(text) is None:
-            raise BadResponse(f"{self._shown} sent Content-Length {text[:40]!r}, not a number")
-        digits = text.lstrip("0") or "0"
-        if len(digits) > 18:  # int() of thousands of digits is slow, and refused past 4,300
-            raise TooLarge(
-                f"{self._shown} declares a {len(digits)}-digit length; the limit is {max_bytes}"
-            )
-        length = int(digits)
-        if length > max_bytes:
+        length = head.get("content-length")  # h11 checked it (at most 20 digits) and folded
+        if length is not None and head.get("transfer-encoding") is None and int(length) > max_bytes:
             raise TooLarge(f"{self._shown} declares {length} bytes; the limit is {max_bytes}")
-        return length
-
-    def _exactly(self, length: int) -> bytes:
-        parts: list[bytes] = []
-        left = length
-        while left:
-            data = self._read(left)
-            if not data:
-                raise FetchFailed(f"{self._shown} closed the connection {left} bytes early")
-            parts.append(data)
-            left -= len(data)
-        return b"".join(parts)
-
-    def _until_close(self, max_bytes: int) -> bytes:
-        parts: list[bytes] = []
-        total = 0
-        while data := self._read(_RECV):
-            total += len(data)
-            if total > max_bytes:
-                raise TooLarge(f"{self._shown} sent more than the limit of {max_bytes} bytes")
-            parts.append(data)
-        return b"".join(parts)
-
-    def _chunked(self, max_bytes: int) -> bytes:
         parts: list[bytes] = []
         total = 0
         framing = FRAMING_ALLOWANCE + max_bytes // 16
+        start = self._received - len(self._conn.trailing_data[0])  # where the body began
         while True:
-            line, used = self._line(min(MAX_CHUNK_LINE, framing), "chunk framing")
-            framing -= used
-            size_text = line.split(b";", 1)[0].strip(b" \t")
-            if _HEX.fullmatch(size_text) is None:
-                raise BadResponse(f"{self._shown} sent a malformed chunk size {line[:40]!r}")
-            size = int(size_text, 16)
-            if size == 0:
-                break
-            if total + size > max_bytes:
-                raise TooLarge(f"{self._shown} sent more than the limit of {max_bytes} bytes")
-            parts.append(self._exactly(size))
-            total += size
-            end, used = self._line(min(2, framing), "chunk framing")
-            framing -= used
-            if end:
-                raise BadResponse(f"a chunk from {self._shown} is longer than its declared size")
-        # Trailers are read only to reach the end of the message: their content is not used.
-        self._fields(MAX_TRAILER_BYTES, "trailer section")
-        return b"".join(parts)
+            # Whatever arrives beyond the body's own bytes is framing, and it has a budget.
+            event = self._next(start + total + framing)
+            if isinstance(event, h11.Data):
+                total += len(event.data)
+                if total > max_bytes:
+                    raise TooLarge(f"{self._shown} sent more than the limit of {max_bytes} bytes")
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                # Trailers are read only to reach the end of the message: their content is unused.
+                if len(event.headers) > MAX_FIELDS:
+                    raise BadResponse(
+                        f"the trailers from {self._shown} have over {MAX_FIELDS} fields"
+                    )
+                return b"".join(parts)
+            else:
+                raise FetchFailed(f"{self._shown} closed the connection early")
 
     # --- the socket -----------------------------------------------------------------------
 
-    def _line(self, limit: int, what: str) -> tuple[bytes, int]:
-        """The next line without its terminator, and the bytes it took; `limit` bounds those."""
-        scanned = 0
+    def _next(self, limit: int, seen: Callable[[bytes], None] | None = None) -> h11.Event:
+        """h11's next event, receiving while it needs data; no more than `limit` bytes of the
+        response are received in all."""
         while True:
-            end = self._buf.find(b"\n", scanned)
-            if end >= 0:
-                if end + 1 > limit:
-                    break
-                line = bytes(self._buf[:end])
-                del self._buf[: end + 1]
-                if b"\r" in line[:-1]:
-                    raise BadResponse(f"the {what} from {self._shown} has a bare CR")
-                return line.removesuffix(b"\r"), end + 1
-            if len(self._buf) >= limit:
-                break
-            scanned = len(self._buf)
-            data = self._recv(_RECV)
-            if not data:
-                raise FetchFailed(f"{self._shown} closed the connection during the {what}")
-            self._buf += data
-        raise BadResponse(f"the {what} from {self._shown} is over its limit")
-
-    def _read(self, size: int) -> bytes:
-        if self._buf:
-            data = bytes(self._buf[:size])
-            del self._buf[:size]
-            return data
-        return self._recv(min(size, _RECV))
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                if self._closed:
+                    why = f": {exc}" if self._received else " without a response"
+                    raise FetchFailed(f"{self._shown} closed the connection early{why}") from None
+                raise BadResponse(f"{self._shown} broke HTTP/1.1: {str(exc)[:200]}") from None
+            if isinstance(event, h11.Event):
+                return event
+            if event is h11.PAUSED or self._closed:
+                raise FetchFailed(f"{self._shown} closed the connection early")
+            room = limit - self._received
+            if room <= 0:
+                raise BadResponse(f"the response from {self._shown} is over its byte limit")
+            data = self._recv(min(room, _RECV))
+            self._received += len(data)
+            self._closed = not data
+            if seen is not None:
+                seen(data)
+            self._conn.receive_data(data)
 
     def _recv(self, size: int) -> bytes:
         """One receive, never waiting past the deadline: a read timeout alone would let a server
@@ -240,10 +199,3 @@ class Reader:
             raise FetchTimeout(f"fetching {self._shown} ran past the time limit") from None
         except OSError as exc:
             raise FetchFailed(f"reading from {self._shown} failed: {exc!r}") from None
-
-
-def _value(raw: bytes, what: str, shown: str) -> str:
-    value = raw.strip(b" \t")
-    if b"\x00" in value:
-        raise BadResponse(f"the {what} from {shown} has a NUL byte in a field value")
-    return value.decode("latin-1")

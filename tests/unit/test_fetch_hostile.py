@@ -20,6 +20,7 @@ from mmworker.preprocess import fetch
 from mmworker.preprocess.errors import (
     BadResponse,
     FetchAborted,
+    FetchFailed,
     FetchTimeout,
     MalformedUri,
     PreprocessError,
@@ -300,6 +301,21 @@ LIES = {
     "non-hex chunk size": (CHUNKED_HEAD + b"zz\r\n", BadResponse),
     "chunk longer than declared": (CHUNKED_HEAD + b"2\r\ndata\r\n0\r\n\r\n", BadResponse),
     "malformed status code": (b"HTTP/1.1 2OO OK\r\n\r\n", BadResponse),
+    "20-digit Content-Length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 20 + b"\r\n\r\n",
+        TooLarge,
+    ),
+    "HTTP/2.0 status line": (b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n", BadResponse),
+    "control character in the reason": (
+        b"HTTP/1.1 200 O\x1bK\r\nContent-Length: 0\r\n\r\n",
+        BadResponse,
+    ),
+    "not HTTP after an interim response": (
+        b"HTTP/1.1 100 Continue\r\n\r\nSSH-2.0-OpenSSH_9.6\r\n",
+        BadResponse,
+    ),
+    "101 header fields": (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 101 + b"\r\n", BadResponse),
+    "101 trailer fields": (CHUNKED_HEAD + b"0\r\n" + b"X: y\r\n" * 101 + b"\r\n", BadResponse),
     "not HTTP at all": (b"SSH-2.0-OpenSSH_9.6\r\n", BadResponse),
     "status out of range": (b"HTTP/1.1 999 Nine\r\nContent-Length: 0\r\n\r\n", BadResponse),
     "field without a colon": (b"HTTP/1.1 200 OK\r\nNoColonHere\r\n\r\n", BadResponse),
@@ -346,6 +362,28 @@ def test_a_lying_server_is_a_typed_permanent_failure(serve, lie, monkeypatch):
     assert error.code is not ErrorCode.INTERNAL_ERROR
     assert elapsed < 2.0
     assert resolved == ["127.0.0.1"], "a malformed redirect target must never be resolved"
+
+
+#: Responses cut off by the server closing the connection: a retry may well succeed.
+CUT_SHORT = {
+    "no response at all": b"",
+    "inside the head": b"HTTP/1.1 200 OK\r\nContent-Len",
+    "inside a chunk": CHUNKED_HEAD + b"8\r\ndat",
+    "before the last chunk": CHUNKED_HEAD + b"4\r\ndata\r\n",
+}
+
+
+@pytest.mark.parametrize("where", list(CUT_SHORT))
+def test_a_connection_closed_mid_response_is_a_retryable_failure(serve, where):
+    def script(server: RawServer, conn: socket.socket) -> None:
+        server.read_request(conn)
+        server.send(conn, CUT_SHORT[where])
+
+    server = serve(script)
+    error, elapsed = _timed_failure(_url(server), _policy(timeout_s=5.0))
+    assert type(error) is FetchFailed, error
+    assert error.retryable
+    assert elapsed < 2.0
 
 
 # --- what is allowed still works ----------------------------------------------------------------
