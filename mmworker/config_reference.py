@@ -1,4 +1,5 @@
-"""Render every setting as a Markdown table: the README's config reference comes from here."""
+"""Render every setting as a Markdown table: docs/configuration.md's reference comes from here
+(`mmworker config --reference`; scripts/refresh-docs.py writes it there)."""
 
 from __future__ import annotations
 
