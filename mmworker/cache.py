@@ -51,6 +51,7 @@ import zstandard
 
 from mmworker.errors import WorkerError
 from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker.preprocess.video.segments import PreparedSegment
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,22 @@ def make_key(media_sha256: str, params: ImageParams | VideoParams) -> str:
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
+def segment_key(
+    media_sha256: str, params: VideoParams, rule: dict[str, object], start_s: float
+) -> str:
+    """Key of one segment of a video cut in segment mode: the whole video's key for `params`,
+    the cutting rule (with its code version) and where the segment starts. Where it ends is
+    decided by the rule and the content, so it is stored in the entry, not keyed."""
+    canonical = json.dumps(
+        {"video": make_key(media_sha256, params), "rule": rule, "start_s": round(start_s, 6)},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+        allow_nan=False,
+    )
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
 class FeatureCache(Protocol):
     """What the worker depends on, so tests and the disabled mode can swap implementations.
 
@@ -127,6 +144,8 @@ class FeatureCache(Protocol):
     def put_image(self, key: str, image: PreparedImage) -> None: ...
     def get_video(self, key: str) -> PreparedVideo | None: ...
     def put_video(self, key: str, video: PreparedVideo) -> None: ...
+    def get_segment(self, key: str) -> PreparedSegment | None: ...
+    def put_segment(self, key: str, segment: PreparedSegment) -> None: ...
     def stats(self) -> CacheStats: ...
 
 
@@ -149,6 +168,13 @@ class NullFeatureCache:
         return None
 
     def put_video(self, key: str, video: PreparedVideo) -> None:
+        return None
+
+    def get_segment(self, key: str) -> PreparedSegment | None:
+        self._miss()
+        return None
+
+    def put_segment(self, key: str, segment: PreparedSegment) -> None:
         return None
 
     def stats(self) -> CacheStats:
@@ -264,6 +290,31 @@ def _build_video(frames: _Array, m: dict[str, Any]) -> PreparedVideo:
     )
 
 
+def _video_meta(video: PreparedVideo) -> dict[str, object]:
+    return {
+        "original_size": list(video.original_size),
+        "timestamps": list(video.timestamps),
+        "duration_s": video.duration_s,
+        "source_fps": video.source_fps,
+        "total_num_frames": video.total_num_frames,
+        "sample_fps": video.sample_fps,
+        "partial": video.partial,
+        "full_duration_s": video.full_duration_s,
+    }
+
+
+def _build_segment(frames: _Array, m: dict[str, Any]) -> PreparedSegment:
+    """A segment is stored as a video entry plus its bounds (`segment` in the meta)."""
+    seg = m["segment"]
+    return PreparedSegment(
+        start_s=float(seg["start_s"]),
+        end_s=float(seg["end_s"]),
+        video=_build_video(frames, m),
+        last=bool(seg["last"]),
+        scene_cut=bool(seg["scene_cut"]),
+    )
+
+
 class _Codecs(threading.local):
     """zstd contexts are not thread-safe but are costly to create, so keep one pair per thread."""
 
@@ -315,17 +366,20 @@ class DiskFeatureCache:
         return self._get(key, _KIND_VIDEO, _build_video)
 
     def put_video(self, key: str, video: PreparedVideo) -> None:
-        meta: dict[str, object] = {
-            "original_size": list(video.original_size),
-            "timestamps": list(video.timestamps),
-            "duration_s": video.duration_s,
-            "source_fps": video.source_fps,
-            "total_num_frames": video.total_num_frames,
-            "sample_fps": video.sample_fps,
-            "partial": video.partial,
-            "full_duration_s": video.full_duration_s,
+        self._put(key, _KIND_VIDEO, video.frames, _video_meta(video))
+
+    def get_segment(self, key: str) -> PreparedSegment | None:
+        return self._get(key, _KIND_VIDEO, _build_segment)
+
+    def put_segment(self, key: str, segment: PreparedSegment) -> None:
+        meta = _video_meta(segment.video)
+        meta["segment"] = {
+            "start_s": segment.start_s,
+            "end_s": segment.end_s,
+            "last": segment.last,
+            "scene_cut": segment.scene_cut,
         }
-        self._put(key, _KIND_VIDEO, video.frames, meta)
+        self._put(key, _KIND_VIDEO, segment.video.frames, meta)
 
     def stats(self) -> CacheStats:
         with self._lock:

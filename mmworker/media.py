@@ -23,7 +23,7 @@ from concurrent.futures import BrokenExecutor, Executor, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from mmworker.cache import FeatureCache, make_key
+from mmworker.cache import FeatureCache, make_key, segment_key
 from mmworker.config import PreprocessConfig
 from mmworker.errors import PreprocessPoolDead
 from mmworker.lanes import PrioritySlots
@@ -325,7 +325,7 @@ class MediaStage:
 
     async def fetch(self, ref: MediaRef) -> tuple[bytes, str, float]:
         """(bytes, sha256, seconds) without the feature cache: segment mode keeps the bytes for
-        one decode call per segment (`mmworker.segmented`) and caches no features."""
+        one decode call per segment (`mmworker.segmented`), and caches per segment."""
         loop = asyncio.get_running_loop()
         handle = FetchHandle()
         t0 = time.perf_counter()
@@ -338,22 +338,46 @@ class MediaStage:
         return data, sha, time.perf_counter() - t0
 
     async def decode_segment(
-        self, data: bytes, params: VideoParams, rule: SegmentRule, start_s: float
-    ) -> PreparedSegment:
-        """One segment's decode in the process pool; if a process of the pool died meanwhile, once
-        more alone, and if it dies there too, `UndecodableVideo` (as for `_decode_alone`)."""
+        self, data: bytes, sha: str, params: VideoParams, rule: SegmentRule, start_s: float
+    ) -> tuple[PreparedSegment, bool]:
+        """(the segment, whether it came from the feature cache). Each segment is an entry of its
+        own (`segment_key`), so a repeated long video decodes nothing, and the entries are as
+        small as one segment's frames. A decode runs in the process pool; if a process of the
+        pool died meanwhile, once more alone, and if it dies there too, `UndecodableVideo` (as
+        for `_decode_alone`)."""
+        loop = asyncio.get_running_loop()
+        key = segment_key(sha, params, rule.cache_key_fields(), start_s)
+        hit = await loop.run_in_executor(self._io_pool, self._cache.get_segment, key)
+        if hit is not None:
+            return hit, True
         try:
-            return await self._decoder.run(prepare_segment, data, params, rule, start_s)
+            seg = await self._decoder.run(prepare_segment, data, params, rule, start_s, None, sha)
         except BrokenExecutor:
             if not self._decoder.rebuildable:
                 raise
+            try:
+                seg = await self._decoder.run_alone(prepare_segment, data, params, rule, start_s)
+            except BrokenExecutor as exc:
+                raise UndecodableVideo(
+                    f"the video decoder's process died decoding the segment at {start_s:.3f}s, "
+                    "also alone in a process of its own"
+                ) from exc
+        nbytes = int(seg.video.frames.nbytes)
+        with self._pending_lock:
+            # The writer's backlog holds the frames until written: bounded as for whole media.
+            worth = self._pending_bytes + nbytes <= MAX_PENDING_WRITE_BYTES
+            if worth:
+                self._pending_bytes += nbytes
+        if worth:
+            self._writer.submit(self._put_segment, key, seg, nbytes)
+        return seg, False
+
+    def _put_segment(self, key: str, seg: PreparedSegment, nbytes: int) -> None:
         try:
-            return await self._decoder.run_alone(prepare_segment, data, params, rule, start_s)
-        except BrokenExecutor as exc:
-            raise UndecodableVideo(
-                f"the video decoder's process died decoding the segment at {start_s:.3f}s, also "
-                "alone in a process of its own"
-            ) from exc
+            self._cache.put_segment(key, seg)
+        finally:
+            with self._pending_lock:
+                self._pending_bytes -= nbytes
 
     async def _one(self, ref: MediaRef, image: ImageParams, video: VideoParams) -> PreparedMedia:
         loop = asyncio.get_running_loop()

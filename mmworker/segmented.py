@@ -5,8 +5,10 @@ process pool (`preprocess.video.segments.prepare_segment`: seek, decode forward,
 to the engine as soon as it is back, while the next one decodes. At most `SEGMENTS_IN_FLIGHT`
 segments of a job are prepared or inside the engine at once: that bounds a job's memory (their
 frames) and its share of the engine, so a two-hour video occupies a few of the batch's places,
-not all of them, and live jobs beside it keep theirs. The feature cache is not used (a segment's
-features are not reused across jobs often enough to pay for writing them).
+not all of them, and live jobs beside it keep theirs. Each prepared segment is a feature-cache
+entry of its own (`MediaStage.decode_segment`): a video captioned again (another prompt, a
+retried job, a successor after a crash) decodes nothing; the result's `cache_hit` says whether
+every segment came from the cache.
 
 Failures stay in their place: a segment that cannot be decoded or generated becomes an entry
 with its error code and the others are kept; a decode failure ends the video there (where the
@@ -79,6 +81,7 @@ class _Slot:
     engine_s: float = 0.0
     frames: int = 0
     size: tuple[tuple[int, int], tuple[int, int]] | None = None
+    cached: bool = False
 
 
 def segment_budget(job_budget: int | None) -> int | None:
@@ -142,7 +145,7 @@ async def run_segments(
             await room.acquire()
             t1 = time.perf_counter()
             try:
-                seg = await media.decode_segment(data, params, rule, start)
+                seg, cached = await media.decode_segment(data, sha, params, rule, start)
             except (EngineFatal, PreprocessPoolDead):
                 raise
             except CodedError as exc:
@@ -155,7 +158,7 @@ async def run_segments(
                 break
             finally:
                 decode_s += time.perf_counter() - t1
-            slot = _Slot(seg.start_s, seg.end_s)
+            slot = _Slot(seg.start_s, seg.end_s, cached=cached)
             slots.append(slot)
             tasks.append(
                 asyncio.create_task(
@@ -290,6 +293,7 @@ def _result(
     sized = next(s.size for s in slots if s.size is not None)
     visual = sum(s.visual for s in slots)
     end = max(s.end_s for s in slots)
+    cached = all(s.cached for s in slots)
     return Result(
         job_id=job.job_id,
         text=summary if summary is not None else timed,
@@ -312,7 +316,7 @@ def _result(
                 visual_tokens=visual,
                 frames=sum(s.frames for s in slots),
                 duration_s=end,
-                cache_hit=False,
+                cache_hit=cached,
             )
         ],
         timings=Timings(
@@ -322,7 +326,7 @@ def _result(
             engine_s=sum(s.engine_s for s in slots) + sum(o.engine_s for o in extra),
             total_s=total_s,
         ),
-        cache_hit=False,
+        cache_hit=cached,
         source=ctx.source,
         worker_id=ctx.worker_id,
         metadata=job.metadata,

@@ -22,13 +22,16 @@ default threshold, 0.15, sits between. No dependency beyond PyAV and NumPy.
 Memory, per call (that is, per job: the worker decodes one segment of a job at a time): the
 sampled frames of one segment, at most `2 × max_frames` of them at the segment's frame size
 (they are thinned by half whenever that many are held), plus one decoded picture and a 32x32
-thumbnail. It does not grow with the video's length.
+thumbnail. It does not grow with the video's length. Mode "fixed" also keeps, per process, the
+timelines of the videos it decoded last (`TIMELINE_CACHE_PACKETS`, about 280 bytes a frame), so
+the demux pass runs once per video and process, not once per segment.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -47,7 +50,7 @@ from mmworker.preprocess.video.decode import decode
 from mmworker.preprocess.video.orientation import SWAPS, orientation
 from mmworker.preprocess.video.schedule import decode_runs
 from mmworker.preprocess.video.stats import DecodeStats
-from mmworker.preprocess.video.timeline import scan
+from mmworker.preprocess.video.timeline import Timeline, scan
 from PIL import Image
 
 #: Side of the RGB thumbnails scene detection compares (colour, not grey: red and blue scenes
@@ -55,6 +58,18 @@ from PIL import Image
 THUMB = 32
 #: Time slack (s) when comparing frame times with segment bounds: container time bases round.
 EPS = 1e-3
+#: Frames (demuxed packets) of the timelines a pool process keeps for the videos it cuts in fixed
+#: mode, across jobs. Each segment is one call, and demuxing the whole video again in every call
+#: was 40 % of a 60 s segment's decode time on a ten-minute clip (`bench/segments.py`). About 280
+#: bytes per frame: 150,000 frames (~40 MiB) hold an hour at 30 fps, or ten ten-minute clips at
+#: 25 fps decoded side by side; a longer video is demuxed in every call, as before.
+TIMELINE_CACHE_PACKETS = 150_000
+
+#: Part of every segment's feature-cache key: raise it when a change here changes which frames a
+#: segment gets or where it ends, so no cached segment of the old rules is served.
+SEGMENT_VERSION = 1
+
+_timelines: OrderedDict[str, Timeline] = OrderedDict()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +85,15 @@ class SegmentRule:
     @property
     def longest_s(self) -> float:
         return self.every_s if self.mode == "fixed" else self.max_s
+
+    def cache_key_fields(self) -> dict[str, object]:
+        """What decides a segment's bounds: only `every_s` in fixed mode, the rest in scenes."""
+        if self.mode == "fixed":
+            fields: dict[str, object] = {"mode": "fixed", "every_s": self.every_s}
+        else:
+            fields = {"mode": "scenes", "threshold": self.threshold, "min_s": self.min_s,
+                      "max_s": self.max_s}  # fmt: skip
+        return {**fields, "v": SEGMENT_VERSION}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +114,12 @@ def prepare_segment(
     rule: SegmentRule,
     start_s: float,
     stats: DecodeStats | None = None,
+    content_key: str | None = None,
 ) -> PreparedSegment:
-    """The segment that starts at `start_s` (seconds from the first frame)."""
+    """The segment that starts at `start_s` (seconds from the first frame). `content_key`: the
+    data's content hash, under which its timeline is kept for the video's next segments."""
     if rule.mode == "fixed":
-        return _fixed_segment(data, params, rule.every_s, start_s, stats)
+        return _fixed_segment(data, params, rule.every_s, start_s, stats, content_key)
     with open_container(data) as container:
         stream = video_stream(container)
         codec = stream.codec_context
@@ -116,7 +142,12 @@ def prepare_segment(
 
 
 def _fixed_segment(
-    data: bytes, params: VideoParams, every_s: float, start_s: float, stats: DecodeStats | None
+    data: bytes,
+    params: VideoParams,
+    every_s: float,
+    start_s: float,
+    stats: DecodeStats | None,
+    content_key: str | None,
 ) -> PreparedSegment:
     """A fixed-length segment needs no frame it does not sample: its bounds are known from the
     timeline (the demux pass, no decoding), so only the GOP prefixes of its sampled frames are
@@ -126,7 +157,8 @@ def _fixed_segment(
         stream = video_stream(container)
         codec = stream.codec_context
         check_source_size(codec.width, codec.height, params)
-        timeline = scan(container, stream, stats)
+        height, width = codec.height, codec.width
+        timeline = _timeline(container, stream, stats, content_key)
     seconds = timeline.seconds
     end_s = start_s + every_s
     first = bisect.bisect_left(seconds, start_s - EPS)
@@ -137,7 +169,6 @@ def _fixed_segment(
     if last:
         end_s = timeline.duration_s
     n = _frame_count(params, end_s - start_s, stop - first, seconds[first], seconds[stop - 1])
-    height, width = codec.height, codec.width
     pixels = frame_max_pixels(params, n + n % FRAME_FACTOR)
     size = resized(height, width, min_pixels=params.min_pixels, max_pixels=pixels,
                    max_ratio=params.max_ratio, video=True)  # fmt: skip
@@ -169,6 +200,23 @@ def _fixed_segment(
         sample_fps=len(frames) / duration,
     )
     return PreparedSegment(start_s, end_s, video, last)
+
+
+def _timeline(
+    container: InputContainer, stream: VideoStream, stats: DecodeStats, key: str | None
+) -> Timeline:
+    """The video's timeline, demuxed once per process while it stays in the cache."""
+    cached = _timelines.get(key) if key is not None else None
+    if cached is not None:
+        _timelines.move_to_end(key)  # type: ignore[arg-type]
+        stats.packets = len(cached.packets)
+        return cached
+    timeline = scan(container, stream, stats)
+    if key is not None and len(timeline.packets) <= TIMELINE_CACHE_PACKETS:
+        _timelines[key] = timeline
+        while sum(len(t.packets) for t in _timelines.values()) > TIMELINE_CACHE_PACKETS:
+            _timelines.popitem(last=False)
+    return timeline
 
 
 def _frame_count(params: VideoParams, duration: float, available: int, t0: float, t1: float) -> int:

@@ -11,6 +11,7 @@ SIGSEGV itself, every time.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing
 import os
 import signal
@@ -36,7 +37,11 @@ PARAMS = VideoParams(fps=0.5, max_frames=4, min_pixels=64 * 28 * 28)
 RULE = SegmentRule("fixed", every_s=10.0)
 
 
-def _hooked_segment(data: bytes, params: Any, rule: Any, start_s: float) -> Any:
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _hooked_segment(data: bytes, params: Any, rule: Any, start_s: float, *rest: Any) -> Any:
     if data.endswith(_KILLER):
         os.kill(os.getpid(), signal.SIGSEGV)
     hooks = Path(os.environ[_HOOK_DIR])
@@ -48,7 +53,7 @@ def _hooked_segment(data: bytes, params: Any, rule: Any, start_s: float) -> Any:
         (hooks / "running.part").write_text(str(os.getpid()))
         (hooks / "running.part").rename(hooks / "running")
         time.sleep(60)  # SIGKILLed by the test long before
-    return prepare_segment(data, params, rule, start_s)
+    return prepare_segment(data, params, rule, start_s, *rest)
 
 
 def _factory(workers: int) -> Executor:
@@ -74,25 +79,29 @@ def test_a_segment_decode_survives_its_process_being_killed_and_killer_media_is_
     hooks: Path,
 ) -> None:
     clip = scene_video([5.0], 30.0)
+    sha = _sha(clip)
     pool = DecodePool(_factory, workers=1)
     io = ThreadPoolExecutor(2)
     stage = MediaStage(PreprocessConfig(), NullFeatureCache(), pool, io, writer=io)
     try:
 
         async def scenario() -> None:
-            warm = await stage.decode_segment(clip, PARAMS, RULE, 0.0)  # spawn + imports
+            warm, _ = await stage.decode_segment(clip, sha, PARAMS, RULE, 0.0)  # spawn + imports
             assert warm.end_s == pytest.approx(10.0)
             (hooks / "arm").touch()
-            running = asyncio.ensure_future(stage.decode_segment(clip, PARAMS, RULE, 10.0))
+            running = asyncio.ensure_future(stage.decode_segment(clip, sha, PARAMS, RULE, 10.0))
             await _wait_for(hooks / "running")
             os.kill(int((hooks / "running").read_text()), signal.SIGKILL)
-            seg = await asyncio.wait_for(running, 180)
+            seg, _ = await asyncio.wait_for(running, 180)
             assert (seg.start_s, seg.end_s) == (pytest.approx(10.0), pytest.approx(20.0))
             assert seg.video.frames.shape[0] == 4
             assert pool.rebuilds == 1
             with pytest.raises(UndecodableVideo, match="also alone"):
-                await asyncio.wait_for(stage.decode_segment(clip + _KILLER, PARAMS, RULE, 0.0), 180)
-            after = await stage.decode_segment(clip, PARAMS, RULE, 20.0)  # the pool works again
+                killer = clip + _KILLER
+                await asyncio.wait_for(
+                    stage.decode_segment(killer, _sha(killer), PARAMS, RULE, 0.0), 180
+                )
+            after, _ = await stage.decode_segment(clip, sha, PARAMS, RULE, 20.0)  # works again
             assert after.last
 
         asyncio.run(scenario())

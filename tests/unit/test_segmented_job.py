@@ -38,12 +38,12 @@ class _Media:
         return CLIP, hashlib.sha256(CLIP).hexdigest(), 0.0
 
     async def decode_segment(
-        self, data: bytes, params: VideoParams, rule: SegmentRule, start_s: float
-    ) -> PreparedSegment:
+        self, data: bytes, sha: str, params: VideoParams, rule: SegmentRule, start_s: float
+    ) -> tuple[PreparedSegment, bool]:
         if self.fail_from_s is not None and start_s >= self.fail_from_s:
             raise UndecodableVideo(f"corrupt video data at {start_s}s")
         self.decoded += 1
-        return prepare_segment(data, params, rule, start_s)
+        return prepare_segment(data, params, rule, start_s), False
 
 
 def _job(**segments: object) -> Job:
