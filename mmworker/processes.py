@@ -125,26 +125,12 @@ def _run_all(
 ) -> int:
     if cfg.engine.shared_core:
         return _run_shared(cfg, ctx, go, children, stopping)
+    grace = cfg.limits.shutdown_grace_s + 60
     for index in range(cfg.processes):
-        ready = ctx.Event()
-        child = ctx.Process(
-            target=_child_main,
-            args=(child_config(cfg, index), ready, go),
-            name=f"mmworker-{index}",
-        )
-        child.start()
-        children.append(child)
-        if not _wait_ready(child, ready) or stopping():
-            log.error("worker process %d did not start (exit %s)", index, child.exitcode)
-            _terminate(children, go, cfg.limits.shutdown_grace_s + 60)
-            return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
-    log.info("%d worker processes ready: consuming", len(children))
-    go.set()
-    return _supervise(
-        children,
-        stopping,
-        lambda: _terminate(children, go, cfg.limits.shutdown_grace_s + 60),
-    )
+        child, ready = _spawn(ctx, cfg, index, go, children)
+        if (failed := _start_failed(children, child, ready, go, stopping, grace)) is not None:
+            return failed
+    return _consume(children, go, stopping, grace, "")
 
 
 def _run_shared(
@@ -176,38 +162,62 @@ def _run_shared(
         progress_bars=cfg.logging.format == "text",  # the core loads the weights
         lanes=cfg.kafka.backfill_topic is not None,
     ).engine_kwargs()
-    readies: list[Event] = []
+    started: list[tuple[BaseProcess, Event]] = []
 
     def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:
         restore()  # the core has started; the clients keep their own OMP_NUM_THREADS
-        for index, link in enumerate(links):
-            ready = ctx.Event()
-            child = ctx.Process(
-                target=_child_main,
-                args=(child_config(cfg, index), ready, go, link),
-                name=f"mmworker-{index}",
-            )
-            child.start()
-            children.append(child)
-            readies.append(ready)
+        started.extend(_spawn(ctx, cfg, i, go, children, link) for i, link in enumerate(links))
         return children
 
     grace = cfg.limits.shutdown_grace_s + 60
     restore = core_threads_env(cfg.engine)
     try:
         with shared_core.launch(kwargs, cfg.processes, start_clients):
-            for index, (child, ready) in enumerate(zip(children, readies, strict=True)):
-                if not _wait_ready(child, ready) or stopping():
-                    log.error("worker process %d did not start (exit %s)", index, child.exitcode)
-                    _terminate(children, go, grace)
-                    return (
-                        combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
-                    )
-            log.info("%d worker processes ready on one engine core: consuming", len(children))
-            go.set()
-            return _supervise(children, stopping, lambda: _terminate(children, go, grace))
+            for child, ready in started:
+                failed = _start_failed(children, child, ready, go, stopping, grace)
+                if failed is not None:
+                    return failed
+            return _consume(children, go, stopping, grace, " on one engine core")
     finally:
         restore()
+
+
+def _spawn(
+    ctx: Any,
+    cfg: WorkerConfig,
+    index: int,
+    go: Event,
+    children: list[BaseProcess],
+    core: CoreLink | None = None,
+) -> tuple[BaseProcess, Event]:
+    """Start child `index` (added to `children` at once, so a signal reaches it); the event is
+    set by the child once its engine is up."""
+    ready = ctx.Event()
+    child = ctx.Process(
+        target=_child_main,
+        args=(child_config(cfg, index), ready, go, core),
+        name=f"mmworker-{index}",
+    )
+    child.start()
+    children.append(child)
+    return child, ready
+
+
+def _start_failed(
+    children: list[BaseProcess],
+    child: BaseProcess,
+    ready: Event,
+    go: Event,
+    stopping: Callable[[], bool],
+    grace: float,
+) -> int | None:
+    """Wait for `child` to be ready; if it died first, or a stop was asked for meanwhile, stop
+    every child and return the exit code (the set runs whole or not at all)."""
+    if _wait_ready(child, ready) and not stopping():
+        return None
+    log.error("%s did not start (exit %s)", child.name, child.exitcode)
+    _terminate(children, go, grace)
+    return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
 
 
 def _wait_ready(child: BaseProcess, ready: Event) -> bool:
@@ -215,6 +225,15 @@ def _wait_ready(child: BaseProcess, ready: Event) -> bool:
         if child.exitcode is not None:
             return False
     return True
+
+
+def _consume(
+    children: list[BaseProcess], go: Event, stopping: Callable[[], bool], grace: float, how: str
+) -> int:
+    """Every child is ready: let them all consume at once (one rebalance), then supervise."""
+    log.info("%d worker processes ready%s: consuming", len(children), how)
+    go.set()
+    return _supervise(children, stopping, lambda: _terminate(children, go, grace))
 
 
 def _supervise(

@@ -1,11 +1,16 @@
-"""How `processes = N` splits one host's settings, and how N exit codes become one."""
+"""How `processes = N` splits one host's settings, how N exit codes become one, and how a set
+whose start-up fails is taken down whole (real child processes, no engine)."""
 
 from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
 
 import pytest
 
 from mmworker.config import load_config
-from mmworker.processes import child_config, combined_exit_code
+from mmworker.processes import _start_failed, child_config, combined_exit_code
 
 
 def test_children_split_gpu_memory_and_the_default_pool() -> None:
@@ -66,3 +71,30 @@ def test_the_processes_the_hardware_chose_split_the_host_like_set_ones(
     assert child.engine.compile_vision_encoder is True
     assert child.limits.max_in_flight == 1024
     assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
+
+
+def test_a_child_that_dies_before_it_is_ready_takes_the_started_ones_down() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    earlier = ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    dying = ctx.Process(target=sys.exit, args=(3,), name="mmworker-1")
+    earlier.start()
+    dying.start()
+    go = ctx.Event()
+    started = time.monotonic()
+    code = _start_failed([earlier, dying], dying, ctx.Event(), go, lambda: False, grace=30)
+    assert code == 3, "its engine death (3) wins over the SIGTERM of the child stopped for it"
+    assert earlier.exitcode == -15, "the child already up was stopped with SIGTERM"
+    assert go.is_set(), "a child still waiting to consume must be let go to see its SIGTERM"
+    assert time.monotonic() - started < 20
+
+
+def test_a_stop_asked_for_during_start_up_ends_it_once_the_child_is_ready() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    child.start()
+    ready = ctx.Event()
+    ready.set()
+    code = _start_failed([child], child, ready, ctx.Event(), lambda: True, grace=30)
+    assert code == 128 + 15
+    assert child.exitcode == -15
+    assert _start_failed([], child, ready, ctx.Event(), lambda: False, grace=30) is None
