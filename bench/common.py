@@ -7,6 +7,7 @@ number (a percentile or a "jobs/s" computed two ways would make the tables disag
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -24,6 +25,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 MEDIA_CACHE = OUT / "media"
+
+# ---------------------------------------------------------------------------------------------
+# Worker settings
+
+
+def add_set_option(p: argparse.ArgumentParser, help: str, default: Sequence[str] = ()) -> None:
+    """`--set KEY=JSON`, repeatable, into `sets`: the items go to the worker as they are, and the
+    bench reads them with the worker's own parser (`mmworker.set_items`)."""
+    p.add_argument(
+        "--set", dest="sets", action="append", default=list(default), metavar="KEY=JSON", help=help
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # Media: made on the spot (no downloads), cached on disk so repeated runs skip the encoding.

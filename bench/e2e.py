@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, environment, make_images, make_videos
+from bench.common import OUT, add_set_option, environment, make_images, make_videos
 from bench.e2e_config import Options, resolve_model_path
 from bench.e2e_report import print_report, table_rows
 from bench.peers import one_engine, raw_engines
@@ -121,14 +121,7 @@ def build_parser(defaults: Options | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--preprocess-workers", type=int, default=d.preprocess_workers)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=list(d.sets),
-        metavar="KEY=JSON",
-        help="extra worker setting (also used for the raw engine)",
-    )
+    add_set_option(p, "extra worker setting (also used for the raw engine)", d.sets)
     p.add_argument(
         "--profile",
         action=argparse.BooleanOptionalAction,

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, ROOT, environment, print_table, read_from_start
+from bench.common import OUT, ROOT, add_set_option, environment, print_table, read_from_start
 
 RESULTS = ROOT / "bench" / "results"
 PARTITIONS = 3
@@ -92,14 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = Options()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--jobs", type=int, default=d.jobs, help="jobs to push (≥ 20,000 for a soak)")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="worker setting, e.g. --set engine.mm_processor_cache_gb=0.5 (repeatable)",
-    )
+    add_set_option(p, "worker setting, e.g. --set engine.mm_processor_cache_gb=0.5 (repeatable)")
     p.add_argument(
         "--env",
         action="append",
@@ -577,17 +570,13 @@ class Answers:
 
 
 def worker_settings(opts: Options, work: Path) -> dict[str, object]:
-    extra: dict[str, object] = {
+    from mmworker.set_items import parse_sets
+
+    return {
         "preprocess.allowed_roots": [str(work)],
         "cache.min_image_pixels": 0,  # cache every image too: the feature cache is under test
+        **parse_sets(opts.sets),
     }
-    for item in opts.sets:
-        key, _, raw = item.partition("=")
-        try:
-            extra[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            extra[key.strip()] = raw
-    return extra
 
 
 def run(opts: Options) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from mmworker import __version__, logs
 from mmworker.errors import ConfigError, WorkerError
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
+from mmworker.set_items import parse_set
 
 # Flags for the settings people change most; anything else goes through --set or the environment.
 _RUN_FLAGS: dict[str, tuple[str, type]] = {
@@ -167,17 +168,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, path.replace(".", "__"), None)
         if value is not None:
             pairs.append((path, None if value is NONE_GIVEN else value))
-    for item in getattr(args, "set", []):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(
-                f"--set needs KEY=VALUE, got {item!r}: e.g. --set limits.max_in_flight=64"
-            )
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = None if raw.strip().lower() == "none" else raw
-        pairs.append((key.strip(), value))
+    pairs += [parse_set(item) for item in getattr(args, "set", [])]
     for path, value in pairs:
         *parents, leaf = path.split(".")
         node = out

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import OUT, ROOT, PeerStats, environment, fmt, mean, print_table
+from bench.common import OUT, ROOT, PeerStats, add_set_option, environment, fmt, mean, print_table
 from bench.e2e_config import Options, child_env
 from bench.peers import raw
 
@@ -431,14 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--video-fps", type=int, default=d.video_fps)
     p.add_argument("--video-size", type=int, default=d.video_size)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", default=True)
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=JSON",
-        help="worker setting, as bench/e2e.py takes it (engine.* reaches the engines)",
-    )
+    add_set_option(p, "worker setting, as bench/e2e.py takes it (engine.* reaches the engines)")
     p.add_argument(
         "--start-together",
         action="store_true",

@@ -6,7 +6,6 @@ as an operator would see it, so nothing in the worker is changed to be measured.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -40,6 +39,7 @@ def worker_args(
     the last value), so on a GPU host the engine gets its defaults (CUDA graphs, 0.92 memory).
     """
     from mmworker.devkit.demo import worker_command
+    from mmworker.set_items import parse_sets
 
     extra: dict[str, object] = {
         "engine.load_format": opts.load_format,
@@ -49,13 +49,7 @@ def worker_args(
     }
     if opts.processes is not None:  # else the worker chooses (its `processes` default)
         extra["processes"] = opts.processes
-    sets: dict[str, object] = {}
-    for item in opts.sets:
-        key, _, raw = item.partition("=")
-        try:
-            sets[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            sets[key.strip()] = raw
+    sets = parse_sets(opts.sets)
 
     def args(extra: dict[str, object]) -> list[str]:
         cmd = worker_command(bootstrap, work, topics, group, extra)
