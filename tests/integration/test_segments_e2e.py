@@ -1,10 +1,13 @@
 """Segment mode end to end: real broker, the session's real `mmworker run`, real vLLM engine (tiny
 model). A generated 10-minute clip (64x64, 4 fps) changes colour at known times; the worker
 finds every change, cuts fixed segments where asked, captions every segment, summarises them and,
-for a structured task, returns JSON valid against the task's schema for every segment.
+for a structured task, returns JSON valid against the task's schema for every segment; the same
+clip posted again is captioned from cached segments only, with the same captions.
 """
 
 from __future__ import annotations
+
+import json
 
 import jsonschema
 import pytest
@@ -99,3 +102,27 @@ def test_ten_minute_clip_in_scene_and_fixed_segments(service: Service) -> None:
     assert "max_segments (3)" in capped["segments_cut"]
     assert "180.0s" in capped["segments_cut"]
     assert capped["summary"] is None
+
+    # The same video again: every segment comes from the feature cache (nothing is decoded), the
+    # captions are the same.
+    again = [
+        (f"{job_id}-again", json.dumps({**json.loads(value), "job_id": f"{job_id}-again"}).encode())
+        for job_id, value in jobs
+        if job_id in ("seg-scenes", "seg-fixed")
+    ]
+    collector = Collector(
+        service.broker.bootstrap, [topics["output"], topics["dlq"]], from_now=True
+    )
+    try:
+        post(service.broker.bootstrap, topics["input"], again, Posted())
+        collector.wait_for({job_id for job_id, _ in again}, START_S, worker)
+        repeats = {job_id: collector.one(job_id) for job_id, _ in again}
+    finally:
+        collector.close()
+    for job_id, (topic, doc) in repeats.items():
+        first = answers[job_id.removesuffix("-again")][1]
+        assert topic == topics["output"], (job_id, doc)
+        assert doc["cache_hit"] is True and doc["media"][0]["cache_hit"] is True, doc
+        assert [(s["start_s"], s["end_s"], s["text"]) for s in doc["segments"]] == [
+            (s["start_s"], s["end_s"], s["text"]) for s in first["segments"]
+        ]
