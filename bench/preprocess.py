@@ -2,7 +2,7 @@
 
 Run by hand (not a timed test: timings on a shared 2-core machine are too noisy to assert on):
 
-    .venv/bin/python bench/preprocess.py             # peers; table in bench/README.md (~5 min)
+    .venv/bin/python bench/preprocess.py             # peers; table in bench/HISTORY.md (~5 min)
     .venv/bin/python bench/preprocess.py --ablation  # mmworker with each speed-up undone
     .venv/bin/python bench/preprocess.py --quick     # smoke run: 6 s video, one repeat (~20 s)
 
@@ -815,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(r) for r in results],
         "decode_floors": [asdict(f) for f in floors],
     }
-    # The full run's file is the one bench/README.md quotes; the others never overwrite it.
+    # The full run's file is the one bench/HISTORY.md quotes; the others never overwrite it.
     name = "preprocess" + ("-ablation" if args.ablation else "") + ("-quick" if args.quick else "")
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     print(

@@ -3,7 +3,7 @@
 Sources, highest first: explicit overrides (CLI flags), environment (`MMWORKER_` prefix, nested
 with `__`, e.g. `MMWORKER_KAFKA__BOOTSTRAP_SERVERS`), a TOML file (`--config` or
 `MMWORKER_CONFIG`), then the defaults below. Every field is described so `mmworker config --help`
-and the README's config reference come from one place.
+and the configuration reference (docs/configuration.md) come from one place.
 """
 
 from __future__ import annotations
@@ -561,7 +561,7 @@ PromptKind = Literal["image", "video", "mixed"]
 class TaskConfig(_Section):
     """A named prompt template a job selects with its `task` field."""
 
-    description: str = Field("", description="What the task is for (shown in the README)")
+    description: str = Field("", description="What the task is for (a note for readers)")
     prompt: str | dict[PromptKind, str] = Field(
         description="Instruction, or one per kind of media (image, video, mixed); '{media}' "
         "becomes 'image', 'video' or 'images and videos'. A job's own prompt wins"

@@ -41,7 +41,7 @@ class Choice:
 def processes(hw: Hardware, gpus_per_model: int = 1) -> Choice:
     """Worker processes, each with its own engine on the one GPU. On an H200 one process's vLLM
     front end (a single Python thread rendering every request) left the GPU idle, and two beat
-    one by 1.5x on images (bench/README.md, sessions 9-16); more than two was not measured."""
+    one by 1.5x on images (bench/HISTORY.md, sessions 9-16); more than two was not measured."""
     if not hw.gpu:
         return Choice(1, "no GPU: one engine, on the CPU")
     if gpus_per_model > 1:

@@ -281,7 +281,7 @@ class MediaStage:
         self._decoding: dict[str, _SharedDecode] = {}
         #: Cache writes are background work (zstd + checksum: ~35 ms of CPU per 16-frame clip).
         #: One low-priority thread keeps them off the cores the engine needs when CPU is scarce
-        #: (a 2-core host: cold videos 0.87× → see bench/README.md); past the backlog budget an
+        #: (a 2-core host: cold videos 0.87× → see bench/HISTORY.md); past the backlog budget an
         #: item is simply not cached rather than held in memory.
         self._writer = writer or io_pool
         self._policy = cfg.fetch_policy()

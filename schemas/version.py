@@ -1,6 +1,6 @@
 """Wire-format versioning.
 
-Rule (also in README): `schema_version` is "MAJOR.MINOR". A worker accepts every minor of its
+Rule (also in docs/jobs.md): `schema_version` is "MAJOR.MINOR". A worker accepts every minor of its
 own major and ignores fields it does not know, so producers may upgrade first within a major.
 A different major is refused with `unsupported_version` before any other validation, so a v2
 message is never half-understood by a v1 worker.

@@ -16,7 +16,7 @@ times that exact call on the same host, one factor at a time:
 Session 13's answer (bench/results/reduce-probe-h200-s13.json): alone, the copy takes 0.01-0.05
 ms per image at 16, 4 or 1 threads, pinned or not, with or without 14 spinning processes. The
 slowness does not reproduce outside the running engine core; one torch thread there removed it
-all the same (bench/README.md, *H200 session 13*).
+all the same (bench/HISTORY.md, *H200 session 13*).
 """
 
 from __future__ import annotations

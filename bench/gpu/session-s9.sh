@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 session 9 (bench/README.md, *H200 session 9*), one stage per device call:
+# H200 session 9 (bench/HISTORY.md, *H200 session 9*), one stage per device call:
 #
 #   bash bench/gpu/session-s9.sh check                 # pixel-path unit test on this vLLM
 #   bash bench/gpu/session-s9.sh peers                 # raw ×1, raw ×2 engines, naive
