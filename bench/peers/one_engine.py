@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.child import run_for_json
 from bench.common import ROOT, PeerStats, mean
 from bench.e2e_config import Options, child_env
 from bench.e2e_jobs import image_job, make_topics, post, video_job
@@ -64,24 +64,15 @@ def run_peers(
     }
     spec_path = work / "peers-spec.json"
     spec_path.write_text(json.dumps(spec))
-    log_path = work / "peers.log"
     print("peers: starting raw engine + naive loop (subprocess) ...", flush=True)
-    with log_path.open("wb") as log:
-        proc = subprocess.run(
-            [sys.executable, str(E2E_SCRIPT), "--peers-spec", str(spec_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env(opts),
-            cwd=ROOT,
-            timeout=opts.timeout_s * 2,
-            check=False,
-        )
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not result_path.exists():
-        raise RuntimeError(f"peers exited {proc.returncode}:\n{text[-3000:]}")
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    result["log"] = str(log_path)
-    return result
+    return run_for_json(
+        [sys.executable, str(E2E_SCRIPT), "--peers-spec", str(spec_path)],
+        result_path,
+        work / "peers.log",
+        env=child_env(opts),
+        timeout_s=opts.timeout_s * 2,
+        what="peers",
+    )
 
 
 def peers_main(spec_path: Path) -> int:

@@ -35,7 +35,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -49,7 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import OUT, ROOT, PeerStats, add_set_option, environment, fmt, mean, print_table
+from bench.child import run_for_json
+from bench.common import OUT, PeerStats, add_set_option, environment, fmt, mean, print_table
 from bench.e2e_config import Options, child_env
 from bench.peers import raw
 
@@ -380,32 +380,16 @@ def run_child(
     )
     spec_path = work / "raw-engines-spec.json"
     result_path = work / "raw-engines.json"
-    result_path.unlink(missing_ok=True)
     spec_path.write_text(json.dumps(asdict(spec)))
-    log_path = work / "raw-engines.log"
     print(f"peers: starting {label(engines)} (subprocess) ...", flush=True)
-    with log_path.open("wb") as log:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--spec",
-                str(spec_path),
-                "--result",
-                str(result_path),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env(opts),
-            cwd=ROOT,
-            timeout=opts.timeout_s + 120,
-            check=False,
-        )
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not result_path.exists():
-        raise RuntimeError(f"exited {proc.returncode}:\n{text[-3000:]}")
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    result["log"] = str(log_path)
+    result = run_for_json(
+        [sys.executable, __file__, "--spec", str(spec_path), "--result", str(result_path)],
+        result_path,
+        work / "raw-engines.log",
+        env=child_env(opts),
+        timeout_s=opts.timeout_s + 120,
+        what=label(engines),
+    )
     for kind in ("image", "video"):
         if kind in result:
             print(f"{result[kind]['peer']} {kind}: {result[kind]['jobs_per_s']:.2f} jobs/s")
