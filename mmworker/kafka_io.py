@@ -363,7 +363,7 @@ def poll(consumer: Any, timeout_ms: int, max_records: int) -> dict[Any, list[Any
     it until they are handed back; it hands them back only into an empty slot, `None`, but a
     slot drained by poll keeps an exhausted (falsy) object. So a partition paused while its
     batch was being drained and resumed later is never fetched again: with per-partition pauses
-    (fair shares, `Worker._to_pause`) whole partitions stalled for good on the real broker
+    (fair shares, `flow.plan_pauses`) whole partitions stalled for good on the real broker
     (tests/unit/test_worker_fairness.py). Emptying the drained slot lets the parked records
     back in. Private API of the pinned release, hence here, in one place."""
     fetcher = getattr(consumer, "_fetcher", None)

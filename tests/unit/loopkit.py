@@ -308,11 +308,11 @@ async def run_until(worker: Worker, done: Callable[[], bool], timeout: float = 1
     deadline = asyncio.get_running_loop().time() + timeout
     while not done() and not task.done():
         if asyncio.get_running_loop().time() > deadline:
-            worker._stopping.set()
+            worker.request_stop()
             await task
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
-    worker._stopping.set()
+    worker.request_stop()
     return await task
 
 

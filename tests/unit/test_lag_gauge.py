@@ -8,13 +8,15 @@ some partitions, or none: an alert on `absent()` or on a summed lag would fire f
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mmworker.checkpoints import Checkpoints
 from mmworker.config import load_config
-from mmworker.jobs import JobRunner
+from mmworker.health import Health
 from mmworker.metrics import Metrics
-from mmworker.offsets import TopicPartition
-from mmworker.worker import Worker
+from mmworker.offsets import OffsetTracker, TopicPartition
+from mmworker.stopping import Stopping
 
 TOPIC = "jobs"
 LAG = "mmworker_consumer_lag_messages"
@@ -22,7 +24,7 @@ LAG = "mmworker_consumer_lag_messages"
 
 class _Consumer:
     """While `hold` is set, `highwater()` of partition 0 stops until `go` is set: the moment
-    inside `_measure_lag` at which the test scrapes."""
+    inside `Checkpoints.measure_lag` at which the test scrapes."""
 
     def __init__(self, marks: dict[int, int]) -> None:
         self.marks = marks
@@ -37,27 +39,30 @@ class _Consumer:
         return self.marks[tp.partition]
 
 
+def _checkpoints(consumer: _Consumer, metrics: Metrics) -> Checkpoints:
+    """Checkpoints with offset 10 of each partition in flight: the lag counts from 10."""
+    tracker = OffsetTracker()
+    for p in (0, 1):
+        tracker.track(TopicPartition(TOPIC, p), 10)
+    stopping = Stopping(Health(load_config().health))
+    return Checkpoints(consumer, tracker, metrics, stopping, ThreadPoolExecutor(1))
+
+
 def _lag(metrics: Metrics, partition: int) -> float | None:
     return metrics.registry.get_sample_value(LAG, {"topic": TOPIC, "partition": str(partition)})
 
 
 def test_a_scrape_during_the_lag_update_sees_every_partition() -> None:
-    cfg = load_config()
     metrics = Metrics()
-    runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
-    worker = Worker(cfg, runner, metrics, "tiny")
-    tps = [TopicPartition(TOPIC, 0), TopicPartition(TOPIC, 1)]
-    for tp in tps:
-        worker.tracker.track(tp, 10)
-    worker._owned.update(tps)
     consumer = _Consumer({0: 15, 1: 12})
-    worker._consumer = consumer
+    checkpoints = _checkpoints(consumer, metrics)
+    owned = {TopicPartition(TOPIC, 0), TopicPartition(TOPIC, 1)}
 
-    worker._measure_lag()
+    checkpoints.measure_lag(owned)
     assert (_lag(metrics, 0), _lag(metrics, 1)) == (5, 2)
 
     consumer.marks, consumer.hold = {0: 20, 1: 30}, True
-    measuring = threading.Thread(target=worker._measure_lag)
+    measuring = threading.Thread(target=checkpoints.measure_lag, args=(owned,))
     measuring.start()
     try:
         assert consumer.inside.wait(10)
@@ -71,18 +76,13 @@ def test_a_scrape_during_the_lag_update_sees_every_partition() -> None:
 
 
 def test_a_partition_no_longer_owned_leaves_the_gauge() -> None:
-    cfg = load_config()
     metrics = Metrics()
-    runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
-    worker = Worker(cfg, runner, metrics, "tiny")
+    checkpoints = _checkpoints(_Consumer({0: 11, 1: 13}), metrics)
     tps = [TopicPartition(TOPIC, 0), TopicPartition(TOPIC, 1)]
-    for tp in tps:
-        worker.tracker.track(tp, 10)
-    worker._owned.update(tps)
-    worker._consumer = _Consumer({0: 11, 1: 13})
-    worker._measure_lag()
+    owned = set(tps)
+    checkpoints.measure_lag(owned)
     assert (_lag(metrics, 0), _lag(metrics, 1)) == (1, 3)
 
-    worker._owned.discard(tps[1])  # revoked
-    worker._measure_lag()
+    owned.discard(tps[1])  # revoked
+    checkpoints.measure_lag(owned)
     assert (_lag(metrics, 0), _lag(metrics, 1)) == (1, None)

@@ -253,7 +253,7 @@ def test_a_dead_pool_stops_the_worker_with_exit_5_uncommitted_and_dead_letters_n
     consumer, producer = Consumer({0: 1}), Producer()
     clients = Clients(consumer, producer, Suspects())
     worker = Worker(cfg, runner, metrics, "tiny", clients=clients)  # type: ignore[arg-type]
-    code = asyncio.run(run_until(worker, lambda: worker._fatal is not None))
+    code = asyncio.run(run_until(worker, lambda: worker.fatal is not None))
     assert code == ExitCode.INTERNAL == 5
     assert attempts == [1]  # not retried
     assert producer.on(DLQ) == [] and consumer.commits == []

@@ -26,12 +26,15 @@ from mmworker.schemas import Result
 from mmworker.config import WorkerConfig, load_config
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.exits import ExitCode
+from mmworker.health import Health
+from mmworker.inflight import RecordHandler
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.kafka_io import TopicCheck, ensure_topics, topic_exists
 from mmworker.metrics import Metrics
-from mmworker.offsets import TopicPartition
+from mmworker.offsets import OffsetTracker, TopicPartition
+from mmworker.publishing import Publisher
 from mmworker.records import Context
-from mmworker.worker import Worker
+from mmworker.stopping import Stopping
 from tests.unit.loopkit import Suspects
 
 TP = TopicPartition("jobs", 0)
@@ -40,13 +43,22 @@ BLOCK_MS = 3000
 BAD, GOOD = 3, 5
 
 
-def _worker(broker: EmbeddedBroker, tag: str) -> tuple[Worker, WorkerConfig, Metrics]:
+def _config(broker: EmbeddedBroker, tag: str) -> WorkerConfig:
     out, dlq, missing = f"pub-{tag}.out", f"pub-{tag}.dlq", f"pub-{tag}.missing"
     cfg: WorkerConfig = load_config(
         kafka={"bootstrap_servers": broker.bootstrap, "output_topic": out,
                "dead_letter_topic": dlq, "reply_topics": [missing], "max_block_ms": BLOCK_MS},
     )  # fmt: skip
     ensure_topics(cfg.kafka, {out: 1, dlq: 1})
+    return cfg
+
+
+def _handler(
+    broker: EmbeddedBroker, cfg: WorkerConfig, reply_topics: TopicCheck
+) -> tuple[RecordHandler, Publisher, Stopping, OffsetTracker, Metrics]:
+    """The worker's handling of records, its producer a real one."""
+    (missing,) = cfg.kafka.reply_topics
+    out = cfg.kafka.output_topic
     metrics = Metrics()
     runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
 
@@ -56,7 +68,6 @@ def _worker(broker: EmbeddedBroker, tag: str) -> tuple[Worker, WorkerConfig, Met
         return Outcome(topic, job_id, Result.model_construct(job_id=job_id, text="a caption"))
 
     runner.run = run  # type: ignore[method-assign]
-    worker = Worker(cfg, runner, metrics, "tiny")
     producer = KafkaProducer(
         bootstrap_servers=broker.bootstrap, acks="all", allow_auto_create_topics=False,
         max_block_ms=BLOCK_MS,
@@ -64,9 +75,10 @@ def _worker(broker: EmbeddedBroker, tag: str) -> tuple[Worker, WorkerConfig, Met
     # kafka-python 3.0.12 does not hand the producer's setting on to its metadata requests,
     # which the test broker honours: without this it creates the topic on the first send.
     producer._metadata.config["allow_auto_create_topics"] = False
-    worker._producer = producer
-    worker._suspects = Suspects()
-    return worker, cfg, metrics
+    publisher = Publisher(cfg.kafka, producer, reply_topics)
+    tracker, stopping = OffsetTracker(), Stopping(Health(cfg.health))
+    handler = RecordHandler(cfg, runner, metrics, "tiny", tracker, publisher, Suspects(), stopping)
+    return handler, publisher, stopping, tracker, metrics
 
 
 def _record(offset: int, job_id: str) -> Any:
@@ -92,7 +104,7 @@ def test_a_missing_reply_topic_is_dead_lettered_and_holds_up_no_other_topic(
     broker: EmbeddedBroker,
 ) -> None:
     tag = uuid.uuid4().hex[:6]
-    worker, cfg, metrics = _worker(broker, tag)
+    cfg = _config(broker, tag)
     (missing,) = cfg.kafka.reply_topics
     asked: list[str] = []
 
@@ -102,11 +114,11 @@ def test_a_missing_reply_topic_is_dead_lettered_and_holds_up_no_other_topic(
         asked.append(topic)
         return True if len(asked) == 1 else topic_exists(cfg.kafka, topic, BLOCK_MS)
 
-    worker._reply_topics = TopicCheck(lookup)
+    handler, publisher, stopping, tracker, metrics = _handler(broker, cfg, TopicCheck(lookup))
     done: dict[str, float] = {}
 
     async def handle(offset: int, job_id: str) -> None:
-        await worker._handle(TP, _record(offset, job_id))
+        await handler.handle(TP, _record(offset, job_id))
         done[job_id] = time.monotonic()
 
     async def scenario() -> None:
@@ -124,12 +136,12 @@ def test_a_missing_reply_topic_is_dead_lettered_and_holds_up_no_other_topic(
             raise AssertionError("the jobs naming the missing topic never ended") from None
 
     for offset in range(BAD + GOOD):
-        worker.tracker.track(TP, offset)
+        tracker.track(TP, offset)
     try:
         asyncio.run(scenario())
     finally:
-        worker._producer.close(5)
-        worker._publisher.shutdown(wait=False)
+        publisher.producer.close(5)
+        publisher.shutdown()
 
     failures = _read(broker.bootstrap, cfg.kafka.dead_letter_topic, BAD)
     assert sorted(f["job_id"] for f in failures) == [f"bad-{i}" for i in range(BAD)]
@@ -138,8 +150,8 @@ def test_a_missing_reply_topic_is_dead_lettered_and_holds_up_no_other_topic(
         assert missing in failure["message"]
     results = _read(broker.bootstrap, cfg.kafka.output_topic, GOOD)
     assert sorted(r["job_id"] for r in results) == [f"good-{i}" for i in range(GOOD)]
-    assert worker.tracker.to_commit() == {TP: BAD + GOOD}
-    assert worker.exit_code == ExitCode.OK
+    assert tracker.to_commit() == {TP: BAD + GOOD}
+    assert stopping.exit_code == ExitCode.OK
     assert metrics.failures.labels("unknown_reply_topic")._value.get() == BAD
     assert topic_exists(cfg.kafka, missing, BLOCK_MS) is False  # not created by the worker
 

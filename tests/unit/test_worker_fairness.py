@@ -4,7 +4,7 @@ engine is scripted: which records the worker takes, and when, is what is under t
 kafka-python's poll drains one partition's fetched batch before it looks at the next, so a
 saturated worker that simply takes what poll returns serves partitions one after another: one
 sat unserved for ~90 s in a measured run. The worker gives each partition with records waiting
-an equal share of `limits.max_in_flight` (mmworker.worker.Worker._shares)."""
+an equal share of `limits.max_in_flight` (mmworker.flow.plan_pauses)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_a_saturated_worker_serves_every_partition_within_the_first_quarter(
         while len(order) < total:
             assert not task.done(), task
             await asyncio.sleep(0.05)
-        worker._stopping.set()
+        worker.request_stop()
         return await task
 
     assert asyncio.run(asyncio.wait_for(scenario(), 150)) == ExitCode.OK

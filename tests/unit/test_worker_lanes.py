@@ -111,7 +111,7 @@ def test_backfill_yields_to_live_jobs_and_still_finishes(broker: EmbeddedBroker)
         while len(done) < BACKFILL + LIVE:
             assert not task.done(), task
             await asyncio.sleep(0.05)
-        worker._stopping.set()
+        worker.request_stop()
         return await task
 
     assert asyncio.run(asyncio.wait_for(scenario(), 150)) == ExitCode.OK

@@ -75,7 +75,7 @@ def test_commit_waits_for_the_lowest_unfinished_offset() -> None:
         release.set()
         while consumer.committed().get(P0) != 10:
             await asyncio.sleep(0.01)
-        worker._stopping.set()
+        worker.request_stop()
         return await task
 
     assert asyncio.run(scenario()) == ExitCode.OK
@@ -95,13 +95,13 @@ def test_giving_up_a_partition_cancels_its_jobs_and_commits_only_on_revoke(how: 
     async def scenario() -> int:
         task = asyncio.create_task(worker.run())
         # p0: 0-3 and p1: 0-1 answered and their tasks ended; p1: 2-3 still running.
-        while len(producer.on(OUTPUT)) < 6 or len(worker._live) > 2:
+        while len(producer.on(OUTPUT)) < 6 or worker.in_flight > 2:
             await asyncio.sleep(0.01)
-        assert len(worker._live) == 2
+        assert worker.in_flight == 2
         consumer.pending_rebalance = (how, [P1])
-        while worker._live:
+        while worker.in_flight:
             await asyncio.sleep(0.01)
-        worker._stopping.set()
+        worker.request_stop()
         return await task
 
     assert asyncio.run(scenario()) == ExitCode.OK
@@ -136,11 +136,11 @@ def test_a_partition_lost_and_reassigned_in_one_poll_keeps_every_running_job_cou
             await asyncio.sleep(0.01)
         for _ in range(100):  # the cancelled originals end; their twins must stay counted
             await asyncio.sleep(0.01)
-        assert len(worker._live) == 2, worker._live
+        assert worker.in_flight == 2, worker.in_flight
         gate.set()
         while consumer.committed().get(P0) != 2:
             await asyncio.sleep(0.01)
-        worker._stopping.set()
+        worker.request_stop()
         return await task
 
     assert asyncio.run(scenario()) == ExitCode.OK
@@ -162,7 +162,7 @@ def test_engine_death_stops_uncommitted_and_records_everyone_inside_as_suspects(
         await asyncio.sleep(10)
 
     worker, _, producer, suspects, _ = make_worker(consumer, behave)
-    code = asyncio.run(run_until(worker, lambda: worker._fatal is not None))
+    code = asyncio.run(run_until(worker, lambda: worker.fatal is not None))
 
     assert code == ExitCode.ENGINE_DEAD
     assert producer.on(OUTPUT) == [] and consumer.commits == []
@@ -222,7 +222,7 @@ def test_refused_dead_letter_stops_with_exit_4() -> None:
         return None
 
     worker, *_ = make_worker(consumer, behave, producer=producer)
-    assert asyncio.run(run_until(worker, lambda: worker._fatal is not None)) == 4
+    assert asyncio.run(run_until(worker, lambda: worker.fatal is not None)) == 4
     assert consumer.commits == []
 
 
@@ -242,7 +242,7 @@ def test_an_unexpected_error_in_a_job_task_stops_the_worker_loudly(
         return None
 
     worker, *_ = make_worker(consumer, behave, producer=Broken())
-    code = asyncio.run(run_until(worker, lambda: worker._fatal is not None))
+    code = asyncio.run(run_until(worker, lambda: worker.fatal is not None))
 
     assert code == ExitCode.INTERNAL
     assert "failed unexpectedly" in caplog.text and "serializer bug" in caplog.text
@@ -269,7 +269,7 @@ def test_shutdown_grace_expiry_is_reported(caplog: pytest.LogCaptureFixture) -> 
         await asyncio.sleep(30)
 
     worker, *_ = make_worker(consumer, behave, shutdown_grace_s=0.1)
-    code = asyncio.run(run_until(worker, lambda: len(worker._live) == 2))
+    code = asyncio.run(run_until(worker, lambda: worker.in_flight == 2))
     assert code == ExitCode.OK
     assert "abandoning 2 jobs" in caplog.text
     assert consumer.commits == []

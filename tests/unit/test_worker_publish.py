@@ -21,20 +21,27 @@ from kafka.errors import (
 )
 from mmworker.schemas import Result
 
+from mmworker.checkpoints import Checkpoints
 from mmworker.config import WorkerConfig, load_config
 from mmworker.exits import ExitCode
+from mmworker.flow import FlowLimits, still_full
+from mmworker.health import Health
+from mmworker.inflight import RecordHandler
 from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
-from mmworker.offsets import TopicPartition
+from mmworker.offsets import OffsetTracker, TopicPartition
+from mmworker.partitions import Partitions
+from mmworker.publishing import Publisher
 from mmworker.records import Context
-from mmworker.worker import Worker
+from mmworker.stopping import Stopping
 from tests.unit.loopkit import Producer, Suspects
 
 OUTPUT, DLQ = "out", "dlq"
 TP = TopicPartition("jobs", 0)
 
 
-def _worker(producer: Producer) -> tuple[Worker, Metrics]:
+def _handler(producer: Producer) -> tuple[RecordHandler, Stopping, OffsetTracker, Metrics]:
+    """The worker's handling of one record, with the producer given (no broker, no engine)."""
     cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
     metrics = Metrics()
     runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
@@ -44,11 +51,11 @@ def _worker(producer: Producer) -> tuple[Worker, Metrics]:
         return Outcome(OUTPUT, "job-1", result)
 
     runner.run = run  # type: ignore[method-assign]
-    worker = Worker(cfg, runner, metrics, "tiny")
-    worker._producer = producer
-    worker._suspects = Suspects()
-    worker.tracker.track(TP, 7)
-    return worker, metrics
+    tracker, stopping = OffsetTracker(), Stopping(Health(cfg.health))
+    publisher = Publisher(cfg.kafka, producer)
+    handler = RecordHandler(cfg, runner, metrics, "tiny", tracker, publisher, Suspects(), stopping)
+    tracker.track(TP, 7)
+    return handler, stopping, tracker, metrics
 
 
 def _record() -> Any:
@@ -60,16 +67,16 @@ def _record() -> Any:
 def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bool) -> None:
     too_big = MessageSizeTooLargeError("1.2 MB > max_request_size")
     producer = Producer({OUTPUT: [too_big]}, broker_side=broker_side)
-    worker, metrics = _worker(producer)
-    asyncio.run(worker._handle(TP, _record()))
+    handler, stopping, tracker, metrics = _handler(producer)
+    asyncio.run(handler.handle(TP, _record()))
 
     ((topic, key, failure),) = producer.sent
     assert (topic, key) == (DLQ, "job-1")
     assert failure["code"] == "publish_failed" and failure["retryable"] is False
     assert "MessageSizeTooLargeError" in failure["message"] and OUTPUT in failure["message"]
     assert failure["source"] == {"topic": "jobs", "partition": 0, "offset": 7}
-    assert worker.tracker.to_commit() == {TP: 8}
-    assert worker.exit_code == ExitCode.OK
+    assert tracker.to_commit() == {TP: 8}
+    assert stopping.exit_code == ExitCode.OK
     assert metrics.failures.labels("publish_failed")._value.get() == 1
     # Counted once, as what was delivered: a failure, not also a result.
     assert metrics.jobs.labels("failure")._value.get() == 1
@@ -78,23 +85,23 @@ def test_refused_result_is_dead_lettered_and_the_offset_moves_on(broker_side: bo
 
 def test_refusing_dead_letter_topic_stops_the_worker_uncommitted() -> None:
     too_big = MessageSizeTooLargeError("too big")
-    worker, _ = _worker(Producer({OUTPUT: [too_big], DLQ: [too_big]}))
-    asyncio.run(worker._handle(TP, _record()))
+    handler, stopping, tracker, _ = _handler(Producer({OUTPUT: [too_big], DLQ: [too_big]}))
+    asyncio.run(handler.handle(TP, _record()))
 
-    assert worker.exit_code == ExitCode.PUBLISH_REFUSED
-    assert worker._stopping.is_set()
-    assert worker.tracker.to_commit() == {}  # the job is redelivered after the fix
+    assert stopping.exit_code == ExitCode.PUBLISH_REFUSED
+    assert stopping.requested
+    assert tracker.to_commit() == {}  # the job is redelivered after the fix
 
 
 def test_a_topic_refusing_everything_stops_the_worker_instead_of_dead_lettering() -> None:
     """Dead-lettering every result of a stream the worker may not write would be the wrong fix."""
     producer = Producer({OUTPUT: [TopicAuthorizationFailedError("no ACL")]}, broker_side=True)
-    worker, _ = _worker(producer)
-    asyncio.run(worker._handle(TP, _record()))
+    handler, stopping, tracker, _ = _handler(producer)
+    asyncio.run(handler.handle(TP, _record()))
 
     assert producer.sent == []
-    assert worker.exit_code == ExitCode.PUBLISH_REFUSED
-    assert worker.tracker.to_commit() == {}
+    assert stopping.exit_code == ExitCode.PUBLISH_REFUSED
+    assert tracker.to_commit() == {}
 
 
 def test_retriable_errors_are_retried_until_acknowledged(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,11 +110,11 @@ def test_retriable_errors_are_retried_until_acknowledged(monkeypatch: pytest.Mon
     # records of a batch that held one bad record: resending works.
     errors: list[Exception] = [KafkaTimeoutError("metadata"), KafkaError("batch sibling")]
     producer = Producer({OUTPUT: errors}, broker_side=True)
-    worker, _ = _worker(producer)
-    asyncio.run(worker._handle(TP, _record()))
+    handler, _, tracker, _ = _handler(producer)
+    asyncio.run(handler.handle(TP, _record()))
 
     assert [t for t, _, _ in producer.sent] == [OUTPUT]
-    assert worker.tracker.to_commit() == {TP: 8}
+    assert tracker.to_commit() == {TP: 8}
 
 
 _real_sleep = asyncio.sleep
@@ -136,28 +143,33 @@ def test_assigned_partitions_start_paused_until_the_suspects_are_read() -> None:
     from kafka.structs import TopicPartition as KTP
 
     J1, J2, J3 = (KTP("jobs", n) for n in (1, 2, 3))
-    worker, _ = _worker(Producer({}))
-    suspects = worker._suspects
-    assert isinstance(suspects, Suspects)
+    cfg = load_config()
+    suspects = Suspects()
     owned = {J1, J2}
-    worker._consumer = SimpleNamespace(
+    consumer = SimpleNamespace(
         pause=pause, resume=resume, assignment=lambda: set(owned),
         paused=lambda: set(paused_now), highwater=lambda tp: None,
     )  # fmt: skip
-    worker._on_assigned([J1, J2])
+    limits = FlowLimits.from_config(cfg.limits)
+    checkpoints = Checkpoints(
+        consumer, OffsetTracker(), Metrics(), Stopping(Health(cfg.health)), ThreadPoolExecutor(1)
+    )
+    partitions = Partitions(consumer, checkpoints, lambda tps: None, limits, None)
+    never = float("-inf")  # no live job started yet
+    partitions.on_assigned([J1, J2])
     assert paused == [J1, J2] and resumed == []
-    asyncio.run(worker._apply_backpressure())  # not checked yet: they stay paused
+    partitions.fetch_only(False, {}, never)  # not checked yet: they stay paused
     assert resumed == []
-    asyncio.run(worker._check_suspects())
+    partitions.check_suspects(suspects)
     assert suspects.refreshes == 1
-    asyncio.run(worker._apply_backpressure())
+    partitions.fetch_only(False, {}, never)
     assert sorted(resumed) == [J1, J2]
     # While the worker is full, they stay paused after the check.
-    worker.held = lambda: worker._cfg.limits.max_in_flight  # type: ignore[method-assign]
+    full = still_full(False, held=limits.max_in_flight, limit=limits.max_in_flight)
     owned.add(J3)
-    worker._on_assigned([J3])
-    asyncio.run(worker._check_suspects())
-    asyncio.run(worker._apply_backpressure())
+    partitions.on_assigned([J3])
+    partitions.check_suspects(suspects)
+    partitions.fetch_only(full, {}, never)
     assert J3 in paused_now and J3 not in resumed
 
 

@@ -22,13 +22,15 @@ from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssi
 from kafka.structs import TopicPartition
 from mmworker.schemas import SourceCoords
 
+from mmworker import checkpoints as checkpoints_module
 from mmworker import worker as worker_module
 from mmworker.config import load_config
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.exits import ExitCode
-from mmworker.kafka_io import ensure_worker_topics
+from mmworker.kafka_io import ensure_worker_topics, rebalance_pending
 from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition as OurTP
+from mmworker.partitions import Partitions
 from mmworker.worker import Worker
 from tests.conftest import GROUP_SETTINGS
 from tests.unit.loopkit import ScriptedRunner
@@ -49,23 +51,24 @@ def test_giving_partitions_to_a_new_member_commits_them_and_keeps_running(
     newcomer_owned: set[int] = set()
 
     async def scenario() -> tuple[int, Worker]:
-        worker = Worker(cfg, ScriptedRunner(cfg, Metrics(), behave), Metrics(), "tiny")
+        runner = ScriptedRunner(cfg, Metrics(), behave)
+        worker = Worker(cfg, runner, Metrics(), "tiny")
         task = asyncio.create_task(worker.run())
         # Every job started, nothing committed yet (30 s interval). Waited for, not slept on: at
         # the end of a full suite the first bootstrap to the shared broker has been refused once
         # (a CI run), and the client's retry then took longer than a fixed 8 s allowed.
         deadline = time.monotonic() + 25
-        while len(worker._runner.started) < 2000 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while len(runner.started) < 2000 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        assert len(worker._runner.started) == 2000  # type: ignore[attr-defined]
+        assert len(runner.started) == 2000
         joiner = threading.Thread(
             target=_newcomer, args=(cfg, broker.bootstrap, newcomer_owned, 20.0)
         )
         joiner.start()
         await asyncio.to_thread(joiner.join)
-        assert worker._fatal is None, worker._fatal
+        assert worker.fatal is None, worker.fatal
         assert not task.done()
-        worker._stopping.set()
+        worker.request_stop()
         return await task, worker
 
     code, _worker = asyncio.run(scenario())
@@ -95,11 +98,13 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
 
     hold, caught, leave = threading.Event(), threading.Event(), threading.Event()
     real_poll = worker_module.poll
+    polled: list[Any] = []  # the worker's consumer, as its polls pass it
 
     def held_poll(consumer: Any, timeout_ms: int, max_records: int) -> Any:
+        polled[:] = [consumer]
         if hold.is_set():  # on the worker's Kafka thread: no poll until the heartbeat knows
             deadline = time.monotonic() + 30
-            while not worker_module.rebalance_pending(consumer) and time.monotonic() < deadline:
+            while not rebalance_pending(consumer) and time.monotonic() < deadline:
                 time.sleep(0.05)
             hold.clear()
             caught.set()
@@ -114,9 +119,10 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
     newcomer_owned: set[int] = set()
 
     async def scenario() -> int:
-        worker = Worker(cfg, ScriptedRunner(cfg, Metrics(), behave), Metrics(), "tiny")
+        runner = ScriptedRunner(cfg, Metrics(), behave)
+        worker = Worker(cfg, runner, Metrics(), "tiny")
         task = asyncio.create_task(worker.run())
-        while len(worker._runner.started) < 40 or worker._live:  # type: ignore[attr-defined]
+        while len(runner.started) < 40 or worker.in_flight:
             await asyncio.sleep(0.05)  # all answered, none committed (30 s interval)
         hold.set()
         joiner = threading.Thread(
@@ -124,8 +130,8 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
         )
         joiner.start()
         assert await asyncio.to_thread(caught.wait, 40)
-        assert worker_module.rebalance_pending(worker._consumer), "the heartbeat never saw it"
-        worker._stopping.set()
+        assert rebalance_pending(polled[0]), "the heartbeat never saw it"
+        worker.request_stop()
         code = await task
         leave.set()
         await asyncio.to_thread(joiner.join)
@@ -186,7 +192,7 @@ def test_a_revoke_commit_the_broker_never_answers_gives_up_at_its_deadline_commi
     thread, which must not be held longer: heartbeats wait on it), the worker does not count
     it as committed, gives the partition's jobs up to the next owner and keeps running."""
     deadline_ms = 2000
-    monkeypatch.setattr(worker_module, "REVOKE_COMMIT_TIMEOUT_MS", deadline_ms)
+    monkeypatch.setattr(checkpoints_module, "REVOKE_COMMIT_TIMEOUT_MS", deadline_ms)
     caplog.set_level(logging.INFO, logger="mmworker.worker")
     tag = uuid.uuid4().hex[:6]
     with EmbeddedBroker() as broker:
@@ -202,36 +208,38 @@ def test_a_revoke_commit_the_broker_never_answers_gives_up_at_its_deadline_commi
         newcomer_owned: set[int] = set()
         metrics = Metrics()
 
+        revoke = Partitions.on_revoked
+
+        async def revoke_into_a_frozen_broker(self: Partitions, tps: list[OurTP]) -> None:
+            if revokes:  # the one at shutdown commits normally
+                return await revoke(self, tps)
+            os.kill(broker.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            try:
+                await revoke(self, tps)
+            finally:
+                revokes.append((tps, time.monotonic() - t0))
+                os.kill(broker.pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+        # The worker's rebalance listener is built in run(), from this method.
+        monkeypatch.setattr(Partitions, "on_revoked", revoke_into_a_frozen_broker)
+
         async def scenario() -> int:
-            worker = Worker(cfg, ScriptedRunner(cfg, metrics, behave), metrics, "tiny")
-            revoke = worker._on_revoked
-
-            async def revoke_into_a_frozen_broker(tps: list[OurTP]) -> None:
-                if revokes:  # the one at shutdown commits normally
-                    return await revoke(tps)
-                os.kill(broker.pid, signal.SIGSTOP)  # type: ignore[arg-type]
-                t0 = time.monotonic()
-                try:
-                    await revoke(tps)
-                finally:
-                    revokes.append((tps, time.monotonic() - t0))
-                    os.kill(broker.pid, signal.SIGCONT)  # type: ignore[arg-type]
-
-            # The listener is built in run(), from this attribute.
-            worker._on_revoked = revoke_into_a_frozen_broker  # type: ignore[method-assign]
+            runner = ScriptedRunner(cfg, metrics, behave)
+            worker = Worker(cfg, runner, metrics, "tiny")
             task = asyncio.create_task(worker.run())
-            while len(worker._runner.started) < 40:  # type: ignore[attr-defined]
+            while len(runner.started) < 40:
                 await asyncio.sleep(0.05)
-            while worker._live:  # all answered, none committed yet (30 s interval)
+            while worker.in_flight:  # all answered, none committed yet (30 s interval)
                 await asyncio.sleep(0.05)
             joiner = threading.Thread(
                 target=_newcomer, args=(cfg, broker.bootstrap, newcomer_owned, 20.0)
             )
             joiner.start()
             await asyncio.to_thread(joiner.join)
-            assert worker._fatal is None, worker._fatal
+            assert worker.fatal is None, worker.fatal
             assert not task.done()
-            worker._stopping.set()
+            worker.request_stop()
             return await task
 
         code = asyncio.run(scenario())
