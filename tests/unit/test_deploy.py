@@ -586,6 +586,28 @@ def test_compose_mounts_and_addresses_resolve() -> None:
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboards[0]
 
 
+def _image_env() -> dict[str, str]:
+    """The Dockerfile's ENV settings (KEY=VALUE form, lines joined at backslashes)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in line[4:].split())
+    return env
+
+
+@pytest.mark.parametrize("var", ["VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"])
+def test_compile_caches_live_on_a_mounted_volume(var: str) -> None:
+    """Outside a volume, torch.compile's caches die with the container and every restart
+    compiles the model again (minutes on a GPU): in Kubernetes and in compose alike, the image's
+    cache directories lie under a volume the worker mounts."""
+    path = Path(_image_env()[var])
+    k8s = [m["mountPath"] for m in _container()["volumeMounts"] if not m.get("readOnly")]
+    compose = [v.split(":")[1] for v in _compose()["services"]["worker"]["volumes"]]
+    for mounts in (k8s, compose):
+        assert any(path.is_relative_to(m) for m in mounts), (var, path, mounts)
+
+
 # --- Alert rules --------------------------------------------------------------------------
 
 
