@@ -75,10 +75,8 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     """Run `cfg.processes` workers; returns when all have exited."""
     if create_topics:
         ensure_worker_topics(cfg.kafka, create_topics)
-    ctx = multiprocessing.get_context("spawn")  # children must not inherit CUDA or threads
-    go = ctx.Event()
-    children: list[BaseProcess] = []
     stopping = False
+    children = _Children(cfg, lambda: stopping)
     supervisor, server = _serve_health(cfg)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
@@ -87,14 +85,18 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
         if supervisor is not None:
             supervisor.stopping = True  # the pod's /readyz fails at once
         name = signal.Signals(signum).name
-        log.info("%s: passing it to %d worker processes", name, len(children))
-        for child in children:
-            if child.pid is not None and child.exitcode is None:
-                os.kill(child.pid, signum)
+        log.info("%s: passing it to %d worker processes", name, len(children.procs))
+        children.send(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run_all(cfg, ctx, go, children, lambda: stopping)
+        if cfg.engine.shared_core:
+            return _run_shared(children)
+        for index in range(cfg.processes):
+            # One after another: vLLM sizes its KV cache from the memory it sees free.
+            if (failed := children.start_failed(*children.spawn(index))) is not None:
+                return failed
+        return children.consume("")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -116,30 +118,7 @@ def _serve_health(cfg: WorkerConfig) -> tuple[health.Processes | None, Any]:
     return supervisor, health.serve(port, registry, supervisor)
 
 
-def _run_all(
-    cfg: WorkerConfig,
-    ctx: Any,
-    go: Event,
-    children: list[BaseProcess],
-    stopping: Callable[[], bool],
-) -> int:
-    if cfg.engine.shared_core:
-        return _run_shared(cfg, ctx, go, children, stopping)
-    grace = cfg.limits.shutdown_grace_s + 60
-    for index in range(cfg.processes):
-        child, ready = _spawn(ctx, cfg, index, go, children)
-        if (failed := _start_failed(children, child, ready, go, stopping, grace)) is not None:
-            return failed
-    return _consume(children, go, stopping, grace, "")
-
-
-def _run_shared(
-    cfg: WorkerConfig,
-    ctx: Any,
-    go: Event,
-    children: list[BaseProcess],
-    stopping: Callable[[], bool],
-) -> int:
+def _run_shared(children: _Children) -> int:
     """`engine.shared_core`: this process launches one engine core, the children attach to it
     as its front ends (all at once: there is one KV cache to size, not N). The core is stopped
     after the children, so every drained job still had its engine."""
@@ -152,6 +131,7 @@ def _run_shared(
         shared_core,
     )
 
+    cfg = children.cfg
     engine_process_env()
     lifeline.arm()  # the engine core leaves our process group and dies with this process
     model = resolve_model(cfg.engine.model, model_cache_dir())
@@ -166,106 +146,94 @@ def _run_shared(
 
     def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:
         restore()  # the core has started; the clients keep their own OMP_NUM_THREADS
-        started.extend(_spawn(ctx, cfg, i, go, children, link) for i, link in enumerate(links))
-        return children
+        started.extend(children.spawn(index, link) for index, link in enumerate(links))
+        return children.procs
 
-    grace = cfg.limits.shutdown_grace_s + 60
     restore = core_threads_env(cfg.engine)
     try:
         with shared_core.launch(kwargs, cfg.processes, start_clients):
             for child, ready in started:
-                failed = _start_failed(children, child, ready, go, stopping, grace)
-                if failed is not None:
+                if (failed := children.start_failed(child, ready)) is not None:
                     return failed
-            return _consume(children, go, stopping, grace, " on one engine core")
+            return children.consume(" on one engine core")
     finally:
         restore()
 
 
-def _spawn(
-    ctx: Any,
-    cfg: WorkerConfig,
-    index: int,
-    go: Event,
-    children: list[BaseProcess],
-    core: CoreLink | None = None,
-) -> tuple[BaseProcess, Event]:
-    """Start child `index` (added to `children` at once, so a signal reaches it); the event is
-    set by the child once its engine is up."""
-    ready = ctx.Event()
-    child = ctx.Process(
-        target=_child_main,
-        args=(child_config(cfg, index), ready, go, core),
-        name=f"mmworker-{index}",
-    )
-    child.start()
-    children.append(child)
-    return child, ready
+class _Children:
+    """The worker processes of one run. They start (`spawn`, `start_failed`) and consume
+    (`consume`) as a set: `go` holds every one back until all are ready, and the first to
+    fail, in start-up or after, takes the others down."""
 
+    def __init__(self, cfg: WorkerConfig, stopping: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.ctx = multiprocessing.get_context("spawn")  # no inherited CUDA state or threads
+        self.go = self.ctx.Event()
+        self.procs: list[BaseProcess] = []
+        self._stopping = stopping
+        self._grace = cfg.limits.shutdown_grace_s + 60
 
-def _start_failed(
-    children: list[BaseProcess],
-    child: BaseProcess,
-    ready: Event,
-    go: Event,
-    stopping: Callable[[], bool],
-    grace: float,
-) -> int | None:
-    """Wait for `child` to be ready; if it died first, or a stop was asked for meanwhile, stop
-    every child and return the exit code (the set runs whole or not at all)."""
-    if _wait_ready(child, ready) and not stopping():
-        return None
-    log.error("%s did not start (exit %s)", child.name, child.exitcode)
-    _terminate(children, go, grace)
-    return combined_exit_code([c.exitcode for c in children]) or ExitCode.START_FAILED
+    def spawn(self, index: int, core: CoreLink | None = None) -> tuple[BaseProcess, Event]:
+        """Start child `index` (listed at once, so a signal reaches it); the event is set by the
+        child once its engine is up."""
+        ready = self.ctx.Event()
+        child = self.ctx.Process(
+            target=_child_main,
+            args=(child_config(self.cfg, index), ready, self.go, core),
+            name=f"mmworker-{index}",
+        )
+        child.start()
+        self.procs.append(child)
+        return child, ready
 
+    def start_failed(self, child: BaseProcess, ready: Event) -> int | None:
+        """Wait for `child` to be ready; if it died first, or a stop was asked for meanwhile,
+        stop every child and return the exit code (the set runs whole or not at all)."""
+        while not ready.wait(0.5):
+            if child.exitcode is not None:
+                break
+        if ready.is_set() and not self._stopping():
+            return None
+        log.error("%s did not start (exit %s)", child.name, child.exitcode)
+        self.terminate()
+        return self.exit_code() or ExitCode.START_FAILED
 
-def _wait_ready(child: BaseProcess, ready: Event) -> bool:
-    while not ready.wait(0.5):
-        if child.exitcode is not None:
-            return False
-    return True
+    def consume(self, how: str) -> int:
+        """Every child is ready: all consume at once (one rebalance, not N); returns when all
+        have exited, the first to exit on its own stopping the rest."""
+        log.info("%d worker processes ready%s: consuming", len(self.procs), how)
+        self.go.set()
+        brought_down = False
+        while alive := [c for c in self.procs if c.exitcode is None]:
+            wait([c.sentinel for c in alive], timeout=1.0)  # returns as soon as one exits
+            gone = [c for c in self.procs if c.exitcode is not None]
+            if gone and not brought_down and not self._stopping():
+                first = gone[0]
+                log.error("%s exited (%s): stopping the other workers", first.name, first.exitcode)
+                self.terminate()
+                brought_down = True
+        return self.exit_code()
 
+    def send(self, signum: int) -> None:
+        for child in self.procs:
+            if child.pid is not None and child.exitcode is None:
+                os.kill(child.pid, signum)
 
-def _consume(
-    children: list[BaseProcess], go: Event, stopping: Callable[[], bool], grace: float, how: str
-) -> int:
-    """Every child is ready: let them all consume at once (one rebalance), then supervise."""
-    log.info("%d worker processes ready%s: consuming", len(children), how)
-    go.set()
-    return _supervise(children, stopping, lambda: _terminate(children, go, grace))
+    def terminate(self) -> None:
+        """SIGTERM every child (they drain), then SIGKILL what is still there after the grace.
+        `go` is set first: a child still waiting for it would otherwise never get past start-up."""
+        self.go.set()
+        self.send(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace
+        for child in self.procs:
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.exitcode is None:
+                log.error("%s did not stop within %.0fs: killing it", child.name, self._grace)
+                child.kill()
+                child.join()
 
-
-def _supervise(
-    children: list[BaseProcess], stopping: Callable[[], bool], terminate: Callable[[], None]
-) -> int:
-    """Wait for every child; the first to exit on its own stops the rest."""
-    brought_down = False
-    while alive := [c for c in children if c.exitcode is None]:
-        wait([c.sentinel for c in alive], timeout=1.0)  # returns as soon as one exits
-        gone = [c for c in children if c.exitcode is not None]
-        if gone and not brought_down and not stopping():
-            first = gone[0]
-            log.error("%s exited (%s): stopping the other workers", first.name, first.exitcode)
-            terminate()
-            brought_down = True
-    return combined_exit_code([c.exitcode for c in children])
-
-
-def _terminate(children: list[BaseProcess], go: Event, wait_s: float) -> None:
-    """SIGTERM every child (they drain), then SIGKILL what is still there after `wait_s`.
-    `go` is set first: a child still waiting for it would otherwise never get past start-up."""
-    go.set()
-    for child in children:
-        if child.pid is not None and child.exitcode is None:
-            os.kill(child.pid, signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    for child in children:
-        child.join(max(0.0, deadline - time.monotonic()))
-        if child.exitcode is None:
-            log.error("%s did not stop within %.0fs: killing it", child.name, wait_s)
-            child.kill()
-            child.join()
+    def exit_code(self) -> int:
+        return combined_exit_code([c.exitcode for c in self.procs])
 
 
 def _as_exit_code(code: int | None) -> int:

@@ -3,14 +3,13 @@ whose start-up fails is taken down whole (real child processes, no engine)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import time
 
 import pytest
 
 from mmworker.config import load_config
-from mmworker.processes import _start_failed, child_config, combined_exit_code
+from mmworker.processes import _Children, child_config, combined_exit_code
 
 
 def test_children_split_gpu_memory_and_the_default_pool() -> None:
@@ -73,28 +72,43 @@ def test_the_processes_the_hardware_chose_split_the_host_like_set_ones(
     assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
 
 
+def _children(stopping: bool = False) -> _Children:
+    return _Children(load_config(limits={"shutdown_grace_s": 5}), lambda: stopping)
+
+
 def test_a_child_that_dies_before_it_is_ready_takes_the_started_ones_down() -> None:
-    ctx = multiprocessing.get_context("spawn")
-    earlier = ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
-    dying = ctx.Process(target=sys.exit, args=(3,), name="mmworker-1")
+    children = _children()
+    earlier = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    dying = children.ctx.Process(target=sys.exit, args=(3,), name="mmworker-1")
+    children.procs += [earlier, dying]
     earlier.start()
     dying.start()
-    go = ctx.Event()
     started = time.monotonic()
-    code = _start_failed([earlier, dying], dying, ctx.Event(), go, lambda: False, grace=30)
+    code = children.start_failed(dying, children.ctx.Event())
     assert code == 3, "its engine death (3) wins over the SIGTERM of the child stopped for it"
     assert earlier.exitcode == -15, "the child already up was stopped with SIGTERM"
-    assert go.is_set(), "a child still waiting to consume must be let go to see its SIGTERM"
+    assert children.go.is_set(), "a child still waiting to consume must be let go to see SIGTERM"
     assert time.monotonic() - started < 20
 
 
 def test_a_stop_asked_for_during_start_up_ends_it_once_the_child_is_ready() -> None:
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    children = _children(stopping=True)
+    child = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    children.procs.append(child)
     child.start()
-    ready = ctx.Event()
+    ready = children.ctx.Event()
     ready.set()
-    code = _start_failed([child], child, ready, ctx.Event(), lambda: True, grace=30)
-    assert code == 128 + 15
+    assert children.start_failed(child, ready) == 128 + 15
     assert child.exitcode == -15
-    assert _start_failed([], child, ready, ctx.Event(), lambda: False, grace=30) is None
+
+
+def test_once_consuming_the_first_child_to_exit_stops_the_others() -> None:
+    children = _children()
+    stays = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
+    leaves = children.ctx.Process(target=sys.exit, args=(4,), name="mmworker-1")
+    children.procs += [stays, leaves]
+    stays.start()
+    leaves.start()
+    # The stand-in killed by SIGTERM (143) outranks 4; real children drain and exit 0.
+    assert children.consume("") == 128 + 15
+    assert stays.exitcode == -15 and leaves.exitcode == 4
