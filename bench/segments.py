@@ -16,7 +16,17 @@ captioned in fixed 60-second segments: 100 segment requests of `--frames` frames
   - last request finished. A warm-up request goes first, outside the timing.
 
 Both report visual tokens per request (prompt tokens), so a different frame size would show.
-MFU is not reported on CPU (the tiny random model's FLOPs say nothing about a GPU).
+
+**MFU**, both sides: the model FLOPs of the timed requests (counted from the model's config by
+`bench/mfu.py`'s `lm_flops` and `vision_flops`, per request from its own prompt, visual and output
+tokens) per second of wall, over a peak measured here and now: the best of a few 2048x2048 torch
+matmuls in the engine's dtype on this machine's cores (`peak` in the JSON: bfloat16 and float32,
+before and after the runs; the higher of the engine dtype's two is used; vLLM runs this float32
+checkpoint in bfloat16 on CPU). On the tiny random model (hidden 128, 2 layers, a vision
+tower of width 64) a segment request is about 1.4 GFLOP, in kernels far too small to fill the
+cores, so the figure is small and mostly measures everything around the model (decoding,
+scheduling, Python, the other agents on a shared machine): it compares the two sides of one run,
+and says nothing about the MFU of a real model or of a GPU.
 
 Run (CPU, tiny random model, a few minutes on the 2-core machine):
     .venv/bin/python bench/segments.py --out bench/results/segments-cpu.json
@@ -40,6 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench.common import OUT, ResultReader, environment, scrape
 
 SEGMENT_S = 60.0
+#: Side of the square matmuls the peak is measured with (large enough to run at the cores' best).
+PEAK_N = 2048
+#: Peaks measured, before and after the runs; the engine's dtype is known only after them.
+PEAK_DTYPES = ("bfloat16", "float32")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,11 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_clips(args: argparse.Namespace, workdir: Path) -> list[Path]:
+    """The clips, and one more for the warm-up: a clip the warm-up saw would be served from the
+    worker's feature cache (and the peer's vLLM caches) in the timed run."""
     from media_scenes import scene_video
 
     seconds = 60.0 * args.minutes
     paths = []
-    for i in range(args.clips):
+    for i in range(args.clips + 1):  # the last one is the warm-up's
         # Shifted per clip so no two clips are the same bytes (no cache or dedup between them).
         cuts = [k * 60.0 + 1.0 + i * 0.25 for k in range(args.minutes)]
         path = workdir / f"clip-{i}.mp4"
@@ -110,7 +126,9 @@ def post(bootstrap: str, topic: str, jobs: list[tuple[str, bytes]]) -> None:
     producer.close()
 
 
-def run_worker(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict[str, Any]:
+def run_worker(
+    args: argparse.Namespace, clips: list[Path], warm: Path, workdir: Path
+) -> dict[str, Any]:
     from mmworker.config import KafkaConfig
     from mmworker.devkit.broker import EmbeddedBroker, free_port
     from mmworker.kafka_io import ensure_topics
@@ -128,8 +146,7 @@ def run_worker(args: argparse.Namespace, clips: list[Path], workdir: Path) -> di
         reader = ResultReader(broker.bootstrap, [topics["output"], topics["dlq"]])
         alive = lambda: proc.poll() is None  # noqa: E731
         try:
-            post(broker.bootstrap, topics["input"], [("warmup", job_bytes("warmup", clips[0],
-                                                                         args))])  # fmt: skip
+            post(broker.bootstrap, topics["input"], [("warmup", job_bytes("warmup", warm, args))])
             reader.wait_for({"warmup"}, args.timeout, alive=alive)
             before = scrape(port)
             jobs = [(f"clip-{i}", job_bytes(f"clip-{i}", c, args)) for i, c in enumerate(clips)]
@@ -147,6 +164,13 @@ def run_worker(args: argparse.Namespace, clips: list[Path], workdir: Path) -> di
     failed = [d for d in docs if "code" in d]
     segs = [s for d in docs if "segments" in d for s in d["segments"]]
     ok = [s for s in segs if s["error"] is None]
+    config = model_config()
+    flops = 0.0
+    for d in docs:
+        done = [s for s in d.get("segments", ()) if s["error"] is None]
+        prompt = d["usage"]["prompt_tokens"] / max(1, len(done)) if done else 0.0
+        flops += sum(request_flops(config, prompt, s["visual_tokens"], s["frames"],
+                                   s["output_tokens"]) for s in done)  # fmt: skip
     return {
         "wall_s": round(wall, 2),
         "jobs": len(jobs),
@@ -159,13 +183,25 @@ def run_worker(args: argparse.Namespace, clips: list[Path], workdir: Path) -> di
         "prompt_tokens_per_segment": round(
             sum(d["usage"]["prompt_tokens"] for d in docs if "usage" in d) / len(ok), 1
         ),
+        # Per job, summed over its segments: where a job's time goes.
+        "job_fetch_s_mean": _mean(d["timings"]["fetch_s"] for d in docs if "timings" in d),
+        "job_decode_s_mean": _mean(d["timings"]["preprocess_s"] for d in docs if "timings" in d),
+        "job_engine_s_mean": _mean(d["timings"]["engine_s"] for d in docs if "timings" in d),
+        "job_total_s_mean": _mean(d["timings"]["total_s"] for d in docs if "timings" in d),
         "busy_s": round(
             after.get("mmworker_engine_busy_seconds", 0.0)
             - before.get("mmworker_engine_busy_seconds", 0.0),
             2,
         ),
+        "model_flops": flops,
+        "model_tflops_per_s": flops / wall / 1e12,
         "log": str(log_path),
     }
+
+
+def _mean(values: Any) -> float:
+    got = list(values)
+    return round(sum(got) / max(1, len(got)), 3)
 
 
 def _segments_of(path: Path, args: argparse.Namespace) -> list[tuple[float, float, Any]]:
@@ -200,7 +236,9 @@ def _segments_of(path: Path, args: argparse.Namespace) -> list[tuple[float, floa
     return out
 
 
-def run_peer(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict[str, Any]:
+def run_peer(
+    args: argparse.Namespace, clips: list[Path], warm_clip: Path, workdir: Path
+) -> dict[str, Any]:
     from mmworker.schemas import DEFAULT_PROMPTS
     from vllm import LLM
 
@@ -231,7 +269,7 @@ def run_peer(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict
             "multi_modal_uuids": {"video": [f"{tag}:{start}"]},
         }
 
-    warm = _segments_of(clips[0], args)[0]
+    warm = _segments_of(warm_clip, args)[0]
     llm.generate([request(*warm, "warmup")], sampling, use_tqdm=False)
     t0 = time.perf_counter()
     prompts = [
@@ -242,7 +280,16 @@ def run_peer(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict
     decoded = time.perf_counter() - t0
     outs = llm.generate(prompts, sampling, use_tqdm=False)
     wall = time.perf_counter() - t0
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     shutdown(llm)
+    config = model_config()
+    pad = config["video_token_id"]
+    flops = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = list(out.prompt_token_ids or ())
+        frames = len(prompt["multi_modal_data"]["video"][0][0])
+        flops += request_flops(config, len(ids), ids.count(pad), frames,
+                               len(out.outputs[0].token_ids))  # fmt: skip
     return {
         "wall_s": round(wall, 2),
         "decode_s": round(decoded, 2),
@@ -252,22 +299,92 @@ def run_peer(args: argparse.Namespace, clips: list[Path], workdir: Path) -> dict
         "prompt_tokens_per_segment": round(
             sum(len(o.prompt_token_ids or ()) for o in outs) / len(outs), 1
         ),
+        "visual_tokens_per_segment": round(
+            sum(list(o.prompt_token_ids or ()).count(pad) for o in outs) / len(outs), 1
+        ),
+        "engine_dtype": dtype,
+        "model_flops": flops,
+        "model_tflops_per_s": flops / wall / 1e12,
     }
+
+
+def model_config() -> dict[str, Any]:
+    from bench.e2e_config import resolve_model_path
+
+    config: dict[str, Any] = json.loads(
+        (Path(resolve_model_path("tiny")) / "config.json").read_text()
+    )
+    return config
+
+
+def request_flops(
+    config: dict[str, Any], prompt: float, visual: float, frames: int, output: float
+) -> float:
+    """One segment request's model FLOPs, as bench/mfu.py counts a job's."""
+    from bench.mfu import lm_flops, vision_flops
+
+    text = config.get("text_config", config)
+    per_pair = visual / max(1, frames // 2)
+    return lm_flops(text, prompt, output) + vision_flops(config["vision_config"], visual, per_pair)
+
+
+def engine_dtype(sets: list[str], report: dict[str, Any]) -> tuple[str, str]:
+    """(the dtype the engine ran in, where that is known from): `engine.dtype` when set, else
+    what the peer's engine reported (vLLM's "auto" on CPU turned this float32 checkpoint into
+    bfloat16, in the worker's engine as in the peer's: same arguments), else that assumption."""
+    for item in sets:
+        key, _, value = item.partition("=")
+        if key == "engine.dtype" and json.loads(value) != "auto":
+            return str(json.loads(value)), "engine.dtype"
+    if "plain_vllm" in report:
+        return report["plain_vllm"]["engine_dtype"], "the peer's engine"
+    return "bfloat16", "assumed (vLLM's CPU choice for this checkpoint; run the peer to see)"
+
+
+def measure_peak(dtype: str, n: int = PEAK_N, repeats: int = 5) -> dict[str, Any]:
+    """The best TFLOP/s of `repeats` timed n x n matmuls in `dtype`, on torch's default threads
+    (all cores): the ceiling the MFU is measured against, on this machine as loaded now."""
+    import torch
+
+    a = torch.randn(n, n).to(getattr(torch, dtype))
+    b = torch.randn(n, n).to(getattr(torch, dtype))
+    torch.mm(a, b)  # first call: kernel selection, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return {
+        "dtype": dtype, "n": n, "threads": torch.get_num_threads(),
+        "tflops": round(2 * n**3 / best / 1e12, 4), "load_1m": round(os.getloadavg()[0], 2),
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workdir = OUT / f"segments-{uuid.uuid4().hex[:6]}"
     workdir.mkdir(parents=True)
-    clips = make_clips(args, workdir)
+    *clips, warm = make_clips(args, workdir)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                               "environment": environment()}  # fmt: skip
+    peaks = [measure_peak(dtype) for dtype in PEAK_DTYPES]
     if not args.skip_worker:
-        report["worker"] = run_worker(args, clips, workdir)
+        report["worker"] = run_worker(args, clips, warm, workdir)
         print("worker", json.dumps(report["worker"]), flush=True)
     if not args.skip_peer:
-        report["plain_vllm"] = run_peer(args, clips, workdir)
+        report["plain_vllm"] = run_peer(args, clips, warm, workdir)
         print("plain vLLM", json.dumps(report["plain_vllm"]), flush=True)
+    peaks += [measure_peak(dtype) for dtype in PEAK_DTYPES]
+    dtype, known = engine_dtype(args.set, report)
+    peak = max((p["tflops"] for p in peaks if p["dtype"] == dtype), default=None)
+    if peak is None:
+        peak = measure_peak(dtype)["tflops"]
+    report["peak"] = {"tflops": peak, "dtype": dtype, "dtype_from": known, "measured": peaks}
+    for side in ("worker", "plain_vllm"):
+        if side in report:
+            report[side]["mfu"] = report[side]["model_tflops_per_s"] / peak
+            print(f"{side} MFU {100 * report[side]['mfu']:.4f}% of {peak:.3f} TFLOP/s ({dtype})",
+                  flush=True)  # fmt: skip
     if "worker" in report and "plain_vllm" in report:
         ratio = report["worker"]["segments_per_s"] / report["plain_vllm"]["segments_per_s"]
         report["worker_vs_plain_vllm"] = round(ratio, 3)
