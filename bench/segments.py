@@ -96,11 +96,9 @@ def worker_args(
     workdir: Path, port: int, bootstrap: str, topics: dict[str, str], sets: list[str]
 ) -> list[str]:
     from mmworker.devkit.demo import worker_command
+    from mmworker.set_items import parse_sets
 
-    extra: dict[str, object] = {"metrics_port": port}
-    for item in sets:
-        key, _, value = item.partition("=")
-        extra[key] = json.loads(value)
+    extra: dict[str, object] = {"metrics_port": port, **parse_sets(sets)}
     return worker_command(bootstrap, workdir, topics, f"bench-seg-{uuid.uuid4().hex[:6]}", extra)
 
 
@@ -332,10 +330,11 @@ def engine_dtype(sets: list[str], report: dict[str, Any]) -> tuple[str, str]:
     """(the dtype the engine ran in, where that is known from): `engine.dtype` when set, else
     what the peer's engine reported (vLLM's "auto" on CPU turned this float32 checkpoint into
     bfloat16, in the worker's engine as in the peer's: same arguments), else that assumption."""
-    for item in sets:
-        key, _, value = item.partition("=")
-        if key == "engine.dtype" and json.loads(value) != "auto":
-            return str(json.loads(value)), "engine.dtype"
+    from mmworker.set_items import parse_sets
+
+    dtype = parse_sets(sets).get("engine.dtype")
+    if dtype not in (None, "auto"):
+        return str(dtype), "engine.dtype"
     if "plain_vllm" in report:
         return report["plain_vllm"]["engine_dtype"], "the peer's engine"
     return "bfloat16", "assumed (vLLM's CPU choice for this checkpoint; run the peer to see)"

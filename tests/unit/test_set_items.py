@@ -74,3 +74,17 @@ def test_the_peer_bench_refuses_an_item_without_an_equals_sign(tmp_path: Path) -
             0,
             [tmp_path],
         )
+
+
+def test_the_segments_bench_reads_items_as_the_worker_does(tmp_path: Path) -> None:
+    from bench.segments import engine_dtype, worker_args
+
+    topics = {"input": "in", "output": "out", "dlq": "dlq"}
+    with pytest.raises(ConfigError, match="needs KEY=VALUE"):
+        worker_args(tmp_path, 0, "127.0.0.1:9092", topics, ["engine.dtype"])
+    assert engine_dtype(["engine.dtype=bfloat16"], {}) == ("bfloat16", "engine.dtype")
+    assert engine_dtype(['engine.dtype="float32"'], {}) == ("float32", "engine.dtype")
+    assert engine_dtype(['engine.dtype="auto"'], {"plain_vllm": {"engine_dtype": "float16"}}) == (
+        "float16",
+        "the peer's engine",
+    )
