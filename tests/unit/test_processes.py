@@ -72,17 +72,21 @@ def test_the_processes_the_hardware_chose_split_the_host_like_set_ones(
     assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
 
 
-def _children(stopping: bool = False) -> _Children:
-    return _Children(load_config(limits={"shutdown_grace_s": 5}), lambda: stopping)
+def _children(*exits: int | None, stopping: bool = False) -> _Children:
+    """Started stand-ins for worker processes: one that exits at once with each given code, or
+    sleeps (None) until a signal ends it."""
+    children = _Children(load_config(limits={"shutdown_grace_s": 5}), lambda: stopping)
+    for index, code in enumerate(exits):
+        target, args = (time.sleep, (60,)) if code is None else (sys.exit, (code,))
+        child = children.ctx.Process(target=target, args=args, name=f"mmworker-{index}")
+        child.start()
+        children.procs.append(child)
+    return children
 
 
 def test_a_child_that_dies_before_it_is_ready_takes_the_started_ones_down() -> None:
-    children = _children()
-    earlier = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
-    dying = children.ctx.Process(target=sys.exit, args=(3,), name="mmworker-1")
-    children.procs += [earlier, dying]
-    earlier.start()
-    dying.start()
+    children = _children(None, 3)
+    earlier, dying = children.procs
     started = time.monotonic()
     code = children.start_failed(dying, children.ctx.Event())
     assert code == 3, "its engine death (3) wins over the SIGTERM of the child stopped for it"
@@ -92,23 +96,15 @@ def test_a_child_that_dies_before_it_is_ready_takes_the_started_ones_down() -> N
 
 
 def test_a_stop_asked_for_during_start_up_ends_it_once_the_child_is_ready() -> None:
-    children = _children(stopping=True)
-    child = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
-    children.procs.append(child)
-    child.start()
+    children = _children(None, stopping=True)
     ready = children.ctx.Event()
     ready.set()
-    assert children.start_failed(child, ready) == 128 + 15
-    assert child.exitcode == -15
+    assert children.start_failed(children.procs[0], ready) == 128 + 15
+    assert children.procs[0].exitcode == -15
 
 
 def test_once_consuming_the_first_child_to_exit_stops_the_others() -> None:
-    children = _children()
-    stays = children.ctx.Process(target=time.sleep, args=(60,), name="mmworker-0")
-    leaves = children.ctx.Process(target=sys.exit, args=(4,), name="mmworker-1")
-    children.procs += [stays, leaves]
-    stays.start()
-    leaves.start()
+    children = _children(None, 4)
     # The stand-in killed by SIGTERM (143) outranks 4; real children drain and exit 0.
     assert children.consume("") == 128 + 15
-    assert stays.exitcode == -15 and leaves.exitcode == 4
+    assert [c.exitcode for c in children.procs] == [-15, 4]
