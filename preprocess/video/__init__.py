@@ -23,7 +23,8 @@ bicubic (what qwen-vl-utils uses) Pillow differs by 0.005-0.15/255 on average (a
 the benchmark's 720p clip); swscale differs by 2/255 on average and up to 114/255 at colour
 edges, Pillow with reducing_gap=1 by 0.7/255 (up to 33/255), so neither faster resize is used.
 
-Cost, measured on 720p H.264 (bench/HISTORY.md, preprocessing runs): decoding dominates (~1-3 ms a frame, and every
+Cost, measured on 720p H.264 (bench/HISTORY.md, preprocessing runs): decoding dominates (~1-3
+ms a frame, and every
 reference frame of a GOP up to the chosen one must be decoded); the RGB conversion and resize of
 a chosen frame (~10 ms) run on a helper thread beside the decoder, and once the first frame has
 fixed the output size a second decoder takes the later half of the stretches. Both overlap only
