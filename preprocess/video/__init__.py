@@ -24,11 +24,11 @@ the benchmark's 720p clip); swscale differs by 2/255 on average and up to 114/25
 edges, Pillow with reducing_gap=1 by 0.7/255 (up to 33/255), so neither faster resize is used.
 
 Cost, measured on 720p H.264 (bench/HISTORY.md, preprocessing runs): decoding dominates (~1-3
-ms a frame, and every
-reference frame of a GOP up to the chosen one must be decoded); the RGB conversion and resize of
-a chosen frame (~10 ms) run on a helper thread beside the decoder, and once the first frame has
-fixed the output size a second decoder takes the later half of the stretches. Both overlap only
-when a core is free: they shorten the wall time of one video, not the CPU time.
+ms a frame, and every reference frame of a GOP up to the chosen one must be decoded); the RGB
+conversion and resize of a chosen frame (~10 ms) run on a helper thread beside the decoder, and
+once the first frame has fixed the output size a second decoder takes the later half of the
+stretches. Both overlap only when a core is free: they shorten the wall time of one video, not
+the CPU time.
 
 Cut and damaged files are judged by time, not by counts. A frame count in a header is no
 evidence: AVI counts the frames a variable-rate camera skipped, and an index may count a frame
