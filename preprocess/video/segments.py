@@ -206,9 +206,8 @@ def _timeline(
     container: InputContainer, stream: VideoStream, stats: DecodeStats, key: str | None
 ) -> Timeline:
     """The video's timeline, demuxed once per process while it stays in the cache."""
-    cached = _timelines.get(key) if key is not None else None
-    if cached is not None:
-        _timelines.move_to_end(key)  # type: ignore[arg-type]
+    if key is not None and (cached := _timelines.get(key)) is not None:
+        _timelines.move_to_end(key)
         stats.packets = len(cached.packets)
         return cached
     timeline = scan(container, stream, stats)
