@@ -54,6 +54,8 @@ T = TypeVar("T")
 
 #: Deadline of each blocking client call made while stopping.
 CLOSE_TIMEOUT_S = 10.0
+#: Pause before polling again after a retriable client error (brokers gone, a request timed out).
+POLL_RETRY_S = 0.5
 
 
 class Clients(Protocol):
@@ -198,6 +200,15 @@ class Worker:
                     f"{list(k.assignors)}: kafka-python cannot mix cooperative and eager "
                     "assignors; stop the group's other members first, or use a new group_id"
                 ) from exc
+            except KafkaError as exc:
+                if not exc.retriable:
+                    raise
+                # kafka-python can raise a lost connection out of poll while the brokers are
+                # gone (ECONNREFUSED during a broker restart stopped the worker, exit 5); the
+                # outage is the broker watch's to report, and a later poll reconnects.
+                log.debug("poll failed, polling again: %r", exc)
+                await asyncio.sleep(POLL_RETRY_S)
+                continue
             for records in batches.values():
                 for record in records:
                     self._start(record, stream.handler)

@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 import pytest
-from kafka.errors import MessageSizeTooLargeError
+from kafka.errors import KafkaConnectionError, MessageSizeTooLargeError, UnknownError
 from mmworker.schemas import SourceCoords
 from mmworker.schemas.codes import ErrorCode
 
@@ -260,6 +260,39 @@ def test_a_poll_error_still_shuts_down_cleanly() -> None:
     worker, _, producer, _, _ = make_worker(consumer, behave)
     assert asyncio.run(worker.run()) == ExitCode.INTERNAL
     assert consumer.closed and producer.flushed and producer.closed
+
+
+def test_a_lost_connection_raised_by_poll_is_polled_through() -> None:
+    """kafka-python raised KafkaConnectionError (ECONNREFUSED) out of poll() while a broker
+    restarted, and the worker exited 5: a retriable client error is polled through, and the
+    jobs are answered once the connection is back; a non-retriable one still stops it."""
+    consumer = Consumer({0: 3})
+    consumer.poll_error = KafkaConnectionError("111 ECONNREFUSED")
+
+    async def behave(_s: SourceCoords) -> None:
+        return None
+
+    worker, _, producer, _, _ = make_worker(consumer, behave)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(1.2)  # two retries at least
+        assert not task.done() and worker.fatal is None
+        consumer.poll_error = None  # the broker is back
+        for _ in range(500):
+            if len(producer.on(OUTPUT)) == 3:
+                break
+            await asyncio.sleep(0.01)
+        worker.request_stop()
+        return await task
+
+    assert asyncio.run(scenario()) == ExitCode.OK
+    assert len(producer.on(OUTPUT)) == 3
+
+    consumer = Consumer({0: 1})
+    consumer.poll_error = UnknownError("not retriable")
+    worker, *_ = make_worker(consumer, behave)
+    assert asyncio.run(worker.run()) == ExitCode.INTERNAL
 
 
 def test_shutdown_grace_expiry_is_reported(caplog: pytest.LogCaptureFixture) -> None:
