@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker

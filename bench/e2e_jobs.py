@@ -26,7 +26,7 @@ def make_topics(bootstrap: str, name: str) -> dict[str, str]:
 
 
 def image_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
-    from mmworker.schemas import GenerationParams, Job, MediaRef
+    from mmworker_schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,
@@ -37,7 +37,7 @@ def image_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> byt
 
 
 def video_job(job_id: str, path: Path, max_tokens: int, ignore_eos: bool) -> bytes:
-    from mmworker.schemas import GenerationParams, Job, MediaRef
+    from mmworker_schemas import GenerationParams, Job, MediaRef
 
     job = Job(
         job_id=job_id,

@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from mmworker.preprocess.image import prepare_image  # noqa: E402
-from mmworker.preprocess.params import ImageParams, VideoParams  # noqa: E402
-from mmworker.preprocess.resize import smart_resize  # noqa: E402
-from mmworker.preprocess.video import frame_max_pixels, prepare_video  # noqa: E402
-from mmworker.preprocess.video.schedule import usable_cores as video_cores  # noqa: E402
+from mmworker_preprocess.image import prepare_image  # noqa: E402
+from mmworker_preprocess.params import ImageParams, VideoParams  # noqa: E402
+from mmworker_preprocess.resize import smart_resize  # noqa: E402
+from mmworker_preprocess.video import frame_max_pixels, prepare_video  # noqa: E402
+from mmworker_preprocess.video.schedule import usable_cores as video_cores  # noqa: E402
 
 from mmworker.devkit.samples import sample_image  # noqa: E402
 
@@ -521,7 +521,7 @@ def decode_floor(ours: Peer) -> Peer:
     returning the exact frames must decode.
     Spread perfectly over every core, its CPU time bounds the wall time of every exact sampler.
     """
-    from mmworker.preprocess.video import decode, schedule
+    from mmworker_preprocess.video import decode, schedule
 
     def blank(frame: Any, size: tuple[int, int], ops: Any) -> Pixels:
         del frame, ops
@@ -621,8 +621,8 @@ def ablation_cases(
     Every variant must give the same pixels (the Δ column shows 0 / 0): the speed-ups change
     which work is done and where, never the output.
     """
-    import mmworker.preprocess.image as image_module
-    from mmworker.preprocess.video import decode, schedule
+    import mmworker_preprocess.image as image_module
+    from mmworker_preprocess.video import decode, schedule
 
     cases = image_cases([p for p in photos if p[2] is IMAGE_PARAMS])
     for case in cases:

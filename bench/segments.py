@@ -103,7 +103,7 @@ def worker_args(
 
 
 def job_bytes(job_id: str, clip: Path, args: argparse.Namespace) -> bytes:
-    from mmworker.schemas import Job, MediaRef
+    from mmworker_schemas import Job, MediaRef
 
     job = Job(
         job_id=job_id, media=[MediaRef(uri=clip.as_uri())],
@@ -237,7 +237,7 @@ def _segments_of(path: Path, args: argparse.Namespace) -> list[tuple[float, floa
 def run_peer(
     args: argparse.Namespace, clips: list[Path], warm_clip: Path, workdir: Path
 ) -> dict[str, Any]:
-    from mmworker.schemas import DEFAULT_PROMPTS
+    from mmworker_schemas import DEFAULT_PROMPTS
     from vllm import LLM
 
     from bench.e2e_config import resolve_model_path

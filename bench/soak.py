@@ -154,7 +154,7 @@ class JobMaker:
         }
 
     def job(self, i: int) -> tuple[str, bytes]:
-        from mmworker.schemas import GenerationParams, Job, MediaRef
+        from mmworker_schemas import GenerationParams, Job, MediaRef
 
         o = self._opts
         gen = GenerationParams(max_tokens=o.max_tokens, ignore_eos=True)

@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def tags_prompt() -> str:
-    from mmworker.schemas import Job, MediaRef
+    from mmworker_schemas import Job, MediaRef
 
     from mmworker.config import load_config
     from mmworker.tasks import plan_job
@@ -82,7 +82,7 @@ def jobs_for(
 ) -> list[tuple[str, bytes]]:
     """Tags jobs stop where their JSON closes; each free-text job is then made to generate
     exactly as many tokens as the tags job on its image did (`ignore_eos`)."""
-    from mmworker.schemas import GenerationParams, Job, MediaRef
+    from mmworker_schemas import GenerationParams, Job, MediaRef
 
     prompt = tags_prompt()
     out = []

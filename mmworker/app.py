@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+from mmworker_preprocess.prepare import warm_up
+
 from mmworker import health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
@@ -20,7 +22,6 @@ from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import DecodePool, MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
-from mmworker.preprocess.prepare import warm_up
 from mmworker.recovery import EngineRecovery, ProbeReport
 from mmworker.startup import StartupPhases
 from mmworker.worker import Worker

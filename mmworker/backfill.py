@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from mmworker_schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas.job import JOB_ID_MAX_LENGTH
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError, WorkerError
 from mmworker.exits import ExitCode, Interrupted
-from mmworker.schemas import GenerationParams, Job, MediaRef
-from mmworker.schemas.job import JOB_ID_MAX_LENGTH
 
 #: Manifest suffixes and the reader each selects.
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")

@@ -48,10 +48,10 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 import zstandard
+from mmworker_preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker_preprocess.video.segments import PreparedSegment
 
 from mmworker.errors import WorkerError
-from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from mmworker.preprocess.video.segments import PreparedSegment
 
 log = logging.getLogger(__name__)
 

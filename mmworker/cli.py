@@ -432,7 +432,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from mmworker.schemas.export import MODELS, render
+    from mmworker_schemas.export import MODELS, render
 
     names = [args.name] if args.name else list(MODELS)
     for name in names:

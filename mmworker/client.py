@@ -6,7 +6,7 @@ use themselves:
 
     from mmworker.client import Client
     from mmworker.config import load_config
-    from mmworker.schemas import Failure, Job, MediaRef
+    from mmworker_schemas import Failure, Job, MediaRef
 
     with Client(load_config()) as client:
         job = Job(job_id="cat-1", media=[MediaRef(uri="https://example.com/cat.jpg")])
@@ -41,10 +41,10 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.errors import KafkaError
+from mmworker_schemas import Failure, Job, Result
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
-from mmworker.schemas import Failure, Job, Result
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,9 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
+from mmworker_preprocess.params import FetchPolicy, ImageParams, VideoParams
+from mmworker_schemas.job import TASK_NAME_PATTERN, ResponseFormat
+from mmworker_schemas.segments import SegmentSpec
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -36,9 +39,6 @@ from pydantic_settings import (
 
 from mmworker import fast_defaults, hardware
 from mmworker.errors import ConfigError
-from mmworker.preprocess.params import FetchPolicy, ImageParams, VideoParams
-from mmworker.schemas.job import TASK_NAME_PATTERN, ResponseFormat
-from mmworker.schemas.segments import SegmentSpec
 from mmworker.task_defaults import DEFAULT_TASKS
 
 _TOML_FILE: ContextVar[Path | None] = ContextVar("mmworker_toml_file", default=None)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.errors import CodedError
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.errors import CodedError
 
 
 class WorkerError(CodedError):

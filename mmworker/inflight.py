@@ -19,6 +19,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from kafka.errors import KafkaError
+from mmworker_schemas import Failure, SourceCoords
 
 from mmworker import logs
 from mmworker.config import WorkerConfig
@@ -30,7 +31,6 @@ from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.publishing import Publisher
 from mmworker.records import Context
 from mmworker.recovery import EngineRecovery
-from mmworker.schemas import Failure, SourceCoords
 from mmworker.stopping import Stopping
 from mmworker.suspects import Suspects
 

@@ -13,6 +13,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from mmworker_preprocess.tokens import fair_shares
+from mmworker_schemas import (
+    Failure,
+    GenerationParams,
+    Job,
+    Result,
+    SchemaError,
+    SourceCoords,
+    parse_job,
+)
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.errors import CodedError
+
 from mmworker import logs
 from mmworker.config import WorkerConfig
 from mmworker.engine import Engine, EngineItem, EngineOutput
@@ -34,19 +47,7 @@ from mmworker.gate import WAIT_CLOCK, EngineGate, WaitClock
 from mmworker.lanes import BACKGROUND
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
-from mmworker.preprocess.tokens import fair_shares
 from mmworker.records import Context, build_failure, build_result, visual_tokens
-from mmworker.schemas import (
-    Failure,
-    GenerationParams,
-    Job,
-    Result,
-    SchemaError,
-    SourceCoords,
-    parse_job,
-)
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.errors import CodedError
 from mmworker.segmented import run_segments, segment_budget
 from mmworker.suspects import suspect_key
 from mmworker.task_defaults import DEFAULT_TASKS
@@ -380,7 +381,7 @@ class JobRunner:
         Items needing no more than an equal share of what is left keep what they have; the
         others share the rest equally and are prepared again at that share (fetched again: the
         bytes are not kept; only jobs with several items that overflow pay it). See
-        `mmworker.preprocess.tokens.fair_shares`.
+        `mmworker_preprocess.tokens.fair_shares`.
         """
         cfg = self._cfg.engine
         if cfg.max_model_len is None or len(media) < 2:

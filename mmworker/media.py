@@ -23,24 +23,25 @@ from concurrent.futures import BrokenExecutor, Executor, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from mmworker.cache import FeatureCache, make_key, segment_key
-from mmworker.config import PreprocessConfig
-from mmworker.errors import PreprocessPoolDead
-from mmworker.lanes import PrioritySlots
-from mmworker.preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
-from mmworker.preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
-from mmworker.preprocess.params import (
+from mmworker_preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
+from mmworker_preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
+from mmworker_preprocess.params import (
     FetchPolicy,
     ImageParams,
     PreparedImage,
     PreparedVideo,
     VideoParams,
 )
-from mmworker.preprocess.prepare import prepare_media, warm_up
-from mmworker.preprocess.sniff import sniff
-from mmworker.preprocess.tokens import image_tokens, video_tokens
-from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
-from mmworker.schemas import Job, MediaRef
+from mmworker_preprocess.prepare import prepare_media, warm_up
+from mmworker_preprocess.sniff import sniff
+from mmworker_preprocess.tokens import image_tokens, video_tokens
+from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker_schemas import Job, MediaRef
+
+from mmworker.cache import FeatureCache, make_key, segment_key
+from mmworker.config import PreprocessConfig
+from mmworker.errors import PreprocessPoolDead
+from mmworker.lanes import PrioritySlots
 
 log = logging.getLogger(__name__)
 

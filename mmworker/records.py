@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mmworker_preprocess.params import PreparedImage
+from mmworker_preprocess.tokens import image_tokens, video_tokens
+from mmworker_schemas import Failure, Job, MediaFacts, Result, SourceCoords, Timings, Usage
+from mmworker_schemas.codes import ErrorCode
 from pydantic import JsonValue
 
 from mmworker.engine import EngineOutput
 from mmworker.media import PreparedMedia
-from mmworker.preprocess.params import PreparedImage
-from mmworker.preprocess.tokens import image_tokens, video_tokens
-from mmworker.schemas import Failure, Job, MediaFacts, Result, SourceCoords, Timings, Usage
-from mmworker.schemas.codes import ErrorCode
 
 #: A dead-letter message longer than this is cut: it is for people, and the record must stay
 #: well under the broker's message size limit whatever an exception says.

@@ -29,13 +29,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from mmworker_schemas import MAX_PAYLOAD_BYTES, Failure
+from mmworker_schemas.codes import ErrorCode
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
-from mmworker.schemas import MAX_PAYLOAD_BYTES, Failure
-from mmworker.schemas.codes import ErrorCode
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}

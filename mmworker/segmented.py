@@ -25,18 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from mmworker.cache import make_key
-from mmworker.engine import EngineItem, EngineOutput
-from mmworker.engine.guidance import Checked, parse_answer
-from mmworker.errors import EngineFatal, PreprocessPoolDead
-from mmworker.media import MediaStage
-from mmworker.preprocess.errors import NoFrames, UnsupportedMedia
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.sniff import sniff
-from mmworker.preprocess.tokens import video_tokens
-from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule
-from mmworker.records import Context
-from mmworker.schemas import (
+from mmworker_preprocess.errors import NoFrames, UnsupportedMedia
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.sniff import sniff
+from mmworker_preprocess.tokens import video_tokens
+from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule
+from mmworker_schemas import (
     GenerationParams,
     Job,
     MediaFacts,
@@ -47,7 +41,14 @@ from mmworker.schemas import (
     Timings,
     Usage,
 )
-from mmworker.schemas.errors import CodedError
+from mmworker_schemas.errors import CodedError
+
+from mmworker.cache import make_key
+from mmworker.engine import EngineItem, EngineOutput
+from mmworker.engine.guidance import Checked, parse_answer
+from mmworker.errors import EngineFatal, PreprocessPoolDead
+from mmworker.media import MediaStage
+from mmworker.records import Context
 from mmworker.tasks import Plan
 
 log = logging.getLogger(__name__)

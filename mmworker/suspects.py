@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 from kafka import KafkaConsumer
 from kafka.structs import TopicPartition as KafkaTP
+from mmworker_schemas import SourceCoords
 
 from mmworker.config import KafkaConfig
-from mmworker.schemas import SourceCoords
 
 log = logging.getLogger(__name__)
 

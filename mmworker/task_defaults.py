@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmworker.schemas.job import DEFAULT_PROMPTS
+from mmworker_schemas.job import DEFAULT_PROMPTS
 
 _JSON = " Answer with JSON only."
 

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mmworker_schemas.job import DEFAULT_PROMPTS, Job, ResponseFormat
+
 from mmworker.config import TaskConfig
 from mmworker.errors import InvalidResponseFormat, UnknownTask
-from mmworker.schemas.job import DEFAULT_PROMPTS, Job, ResponseFormat
 
 #: What `{media}` in a task prompt becomes, by the kind of the job's media as sniffed.
 MEDIA_WORDS: dict[str, str] = {"image": "image", "video": "video", "mixed": "images and videos"}

@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from kafka.errors import KafkaError
+from mmworker_preprocess.errors import UnsupportedMedia
+from mmworker_preprocess.sniff import sniff
+from mmworker_schemas import GenerationParams, Job, MediaRef, ResponseFormat
+from mmworker_schemas.job import TASK_NAME_PATTERN
 from pydantic import TypeAdapter, ValidationError
 
 from mmworker.client import Ack, Client
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
 from mmworker.exits import ExitCode, Interrupted
-from mmworker.preprocess.errors import UnsupportedMedia
-from mmworker.preprocess.sniff import sniff
 from mmworker.progress import progress
-from mmworker.schemas import GenerationParams, Job, MediaRef, ResponseFormat
-from mmworker.schemas.job import TASK_NAME_PATTERN
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
 #: unusual container a few KiB to find its streams.

@@ -178,9 +178,9 @@ def fetch(keep_archives: bool) -> int:
 def table() -> int:
     """tests/README.md's table: every file through what the media stage runs, defaults."""
     sys.path.insert(0, str(ROOT))
-    from mmworker.preprocess.errors import PreprocessError
-    from mmworker.preprocess.params import PreparedVideo
-    from mmworker.preprocess.prepare import prepare_media
+    from mmworker_preprocess.errors import PreprocessError
+    from mmworker_preprocess.params import PreparedVideo
+    from mmworker_preprocess.prepare import prepare_media
 
     from mmworker.config import PreprocessConfig
 

@@ -1,6 +1,6 @@
 """Rewrite the generated parts of the repository from the code: the configuration reference
-(docs/configuration.md) and the JSON Schemas under schemas/json. Tests fail when either is
-stale; this fixes it.
+(docs/configuration.md) and the JSON Schemas under schemas/mmworker_schemas/json. Tests fail when
+either is stale; this fixes it.
 
 Run: .venv/bin/python scripts/refresh-docs.py
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mmworker.schemas.export import main as export_schemas
+from mmworker_schemas.export import main as export_schemas
 
 from mmworker.config_reference import render_reference
 
@@ -30,4 +30,4 @@ def refresh_reference() -> None:
 if __name__ == "__main__":
     refresh_reference()
     export_schemas()
-    print("refreshed docs/configuration.md's reference and schemas/json")
+    print("refreshed docs/configuration.md's reference and schemas/mmworker_schemas/json")

@@ -29,19 +29,9 @@ if $fast; then
     exec "$BIN/python" -m pytest -q -m "not integration" "$@"
 fi
 echo "test: mypy"
-# schemas/ and preprocess/ install as mmworker.schemas and mmworker.preprocess (pyproject's
-# package-dir), through an import hook that mypy does not follow; so mypy reads a tree of links
-# laid out as the wheel installs it (build/typeview/mmworker/{schemas,preprocess,...}).
-root=$PWD
-view=build/typeview
-rm -rf "$view"
-mkdir -p "$view/mmworker"
-for entry in mmworker/*; do
-    ln -s "$root/$entry" "$view/mmworker/"
-done
-ln -s "$root/schemas" "$view/mmworker/schemas"
-ln -s "$root/preprocess" "$view/mmworker/preprocess"
-(cd "$view" && "$root/$BIN/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p mmworker)
+# schemas/ and preprocess/ are distribution roots, each package one folder down, so an import
+# path names a real folder; pyproject's mypy_path lists the roots and mypy reads the tree as is.
+"$BIN/mypy" -p mmworker -p mmworker_schemas -p mmworker_preprocess
 if $lint_only; then
     exit 0
 fi

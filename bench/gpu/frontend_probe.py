@@ -67,7 +67,7 @@ def build(model: str, pixels: bool, sets: list[str]) -> tuple[Any, Any, Any]:
 
 
 def media(kind: str, n: int, seed: int) -> list[Any]:
-    from mmworker.preprocess.params import PreparedImage, PreparedVideo
+    from mmworker_preprocess.params import PreparedImage, PreparedVideo
 
     rng = np.random.default_rng(seed)
     out: list[Any] = []

@@ -24,10 +24,10 @@ fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 fi
-# schemas/ and preprocess/ import as mmworker.schemas / mmworker.preprocess only once installed
+# schemas/ and preprocess/ import as mmworker_schemas / mmworker_preprocess only once installed
 # (pyproject's package-dir): an editable install, offline (setuptools rides in .whl/ if the host
 # has none).
-if ! python3 -c "import mmworker.schemas" 2>/dev/null; then
+if ! python3 -c "import mmworker_schemas" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
 fi
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1

@@ -26,9 +26,9 @@ def naive_loop(
 ) -> dict[str, Any]:
     """What a first implementation writes: one job at a time, synchronously, start to finish."""
     from kafka import KafkaConsumer, KafkaProducer
-    from mmworker.preprocess.fetch import fetch_bytes
-    from mmworker.preprocess.prepare import prepare_media
-    from mmworker.schemas import parse_job
+    from mmworker_preprocess.fetch import fetch_bytes
+    from mmworker_preprocess.prepare import prepare_media
+    from mmworker_schemas import parse_job
 
     from mmworker.engine import EngineItem, _mm_data
 

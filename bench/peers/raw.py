@@ -73,7 +73,7 @@ def shutdown(llm: Any) -> None:
 
 
 def _prepare_one(args: tuple[str, Any, Any]) -> Any:
-    from mmworker.preprocess.prepare import prepare_media
+    from mmworker_preprocess.prepare import prepare_media
 
     path, image_params, video_params = args
     data = Path(path).read_bytes()
@@ -138,7 +138,7 @@ def prompts(
     suffix, so a new suffix makes every item new to vLLM's processor and prefix caches — a cold
     engine without starting another.
     """
-    from mmworker.schemas import DEFAULT_PROMPTS
+    from mmworker_schemas import DEFAULT_PROMPTS
 
     from mmworker.engine import EngineItem, _mm_data, chat_prompt
 

@@ -126,7 +126,7 @@ def wait_healthy(proc: Any, port: int, timeout_s: float) -> float:
 
 
 def message(kind: str, path: Path) -> list[dict[str, Any]]:
-    from mmworker.schemas import DEFAULT_PROMPTS
+    from mmworker_schemas import DEFAULT_PROMPTS
 
     if kind == "image":
         data = base64.b64encode(path.read_bytes()).decode()

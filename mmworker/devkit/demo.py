@@ -18,12 +18,12 @@ import uuid
 from pathlib import Path
 
 from kafka import KafkaConsumer, KafkaProducer
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.samples import sample_image, sample_video
 from mmworker.kafka_io import ensure_topics
-from mmworker.schemas import GenerationParams, Job, MediaRef
 from mmworker.tools import summarise
 
 TOPICS = {"input": "demo.jobs", "output": "demo.results", "dlq": "demo.dead-letter"}

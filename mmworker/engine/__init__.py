@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import psutil
+from mmworker_preprocess.params import PreparedImage, PreparedVideo
+from mmworker_schemas import GenerationParams
 from PIL import Image
 
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
@@ -28,8 +30,6 @@ from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_
 from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
 from mmworker.metrics import EngineState
-from mmworker.preprocess.params import PreparedImage, PreparedVideo
-from mmworker.schemas import GenerationParams
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from mmworker_schemas.job import ChoiceFormat, JsonSchemaFormat, ResponseFormat
 from pydantic import JsonValue
 
 from mmworker.errors import IncompleteOutput, InvalidResponseFormat
-from mmworker.schemas.job import ChoiceFormat, JsonSchemaFormat, ResponseFormat
 
 if TYPE_CHECKING:
     from mmworker.config import StructuredOutputConfig

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from mmworker.preprocess.params import PreparedImage, PreparedVideo
+from mmworker_preprocess.params import PreparedImage, PreparedVideo
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ here, not in `preprocess`, which knows nothing of vLLM.
 
 from __future__ import annotations
 
-from mmworker.preprocess.params import PreparedVideo
+from mmworker_preprocess.params import PreparedVideo
 
 
 def vllm_video_metadata(video: PreparedVideo) -> dict[str, object]:

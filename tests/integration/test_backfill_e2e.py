@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from kafka import KafkaProducer
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.backfill import journal_path
 from mmworker.config import KafkaConfig

@@ -14,7 +14,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.broker_watch import CONNECTION_NOISE
 from mmworker.devkit.broker import EmbeddedBroker

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import Job
+from mmworker_schemas import Job
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import ChoiceFormat, ErrorCode, Failure, Job, MediaRef, Result
+from mmworker_schemas import ChoiceFormat, ErrorCode, Failure, Job, MediaRef, Result
 
 from mmworker.client import Ack, Client
 from mmworker.config import KafkaConfig, WorkerConfig

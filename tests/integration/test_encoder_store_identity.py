@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mmworker.preprocess.params import ImageParams, PreparedImage
-from mmworker.schemas import GenerationParams
+from mmworker_preprocess.params import ImageParams, PreparedImage
+from mmworker_schemas import GenerationParams
 
 from mmworker.cache import make_key
 from mmworker.config import EngineConfig

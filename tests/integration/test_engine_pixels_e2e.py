@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mmworker.preprocess.params import PreparedImage, PreparedVideo
-from mmworker.schemas import GenerationParams
+from mmworker_preprocess.params import PreparedImage, PreparedVideo
+from mmworker_schemas import GenerationParams
 
 from mmworker.config import EngineConfig
 from mmworker.engine import Engine, EngineItem

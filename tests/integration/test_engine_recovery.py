@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.samples import sample_image

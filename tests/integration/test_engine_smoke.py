@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mmworker.preprocess.params import (
+from mmworker_preprocess.params import (
     FRAME_FACTOR,
     IMAGE_FACTOR,
     MAX_PIXELS,
@@ -21,7 +21,7 @@ from mmworker.preprocess.params import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
 )
-from mmworker.preprocess.resize import smart_resize
+from mmworker_preprocess.resize import smart_resize
 from PIL import Image
 
 from mmworker.engine.video_metadata import vllm_video_metadata
@@ -138,9 +138,9 @@ def test_prepared_image_tokens_are_the_engines(
     tiny_llm: Any, height: int, width: int, max_pixels: int
 ) -> None:
     """Whatever a job asks for, the size preprocess picks is one the engine keeps as is."""
-    from mmworker.preprocess.image import prepare_image
-    from mmworker.preprocess.params import ImageParams
-    from mmworker.preprocess.tokens import image_tokens
+    from mmworker_preprocess.image import prepare_image
+    from mmworker_preprocess.params import ImageParams
+    from mmworker_preprocess.tokens import image_tokens
 
     rgb = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
@@ -161,9 +161,9 @@ def test_prepared_image_tokens_are_the_engines(
 def test_prepared_video_tokens_are_the_engines(tiny_llm: Any) -> None:
     """A per-frame cap below the video processor's floor: frames settle at the floor."""
     import media_videos as mv
-    from mmworker.preprocess.params import VideoParams
-    from mmworker.preprocess.tokens import video_tokens
-    from mmworker.preprocess.video import prepare_video
+    from mmworker_preprocess.params import VideoParams
+    from mmworker_preprocess.tokens import video_tokens
+    from mmworker_preprocess.video import prepare_video
 
     data = mv.encode_video(width=320, height=96, n_frames=8, fps=4)
     tiny = 28 * 28

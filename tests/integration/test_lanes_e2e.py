@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaProducer
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker

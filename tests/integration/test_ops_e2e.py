@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmworker.devkit.samples import sample_image

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaAdminClient
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.samples import sample_image

@@ -11,7 +11,7 @@ import json
 
 import jsonschema
 import pytest
-from mmworker.schemas import Job, MediaRef
+from mmworker_schemas import Job, MediaRef
 
 from tests.integration.conftest import Service
 from tests.integration.structured_tasks import SCENE

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from mmworker.schemas import Job, MediaRef
+from mmworker_schemas import Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker
 from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post

@@ -16,7 +16,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from mmworker.schemas import ErrorCode, Job, MediaRef
+from mmworker_schemas import ErrorCode, Job, MediaRef
 
 from mmworker.devkit.samples import sample_image
 from mmworker.tools import summarise

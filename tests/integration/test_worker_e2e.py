@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import free_port
 from mmworker.devkit.samples import sample_image, sample_video

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import GenerationParams, Job, MediaRef
+from mmworker_schemas import GenerationParams, Job, MediaRef
 
 from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image

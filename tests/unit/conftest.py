@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from mmworker.preprocess import fetch
+from mmworker_preprocess import fetch
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
-from mmworker.schemas import Failure, Result, SourceCoords
-from mmworker.schemas.codes import ErrorCode
+from mmworker_schemas import Failure, Result, SourceCoords
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.config import WorkerConfig, load_config
 from mmworker.errors import EngineFatal

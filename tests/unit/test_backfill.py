@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from mmworker.schemas import Failure, Job, Result, SourceCoords, Timings, Usage
-from mmworker.schemas.codes import ErrorCode
+from mmworker_schemas import Failure, Job, Result, SourceCoords, Timings, Usage
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.backfill import (
     DUPLICATE,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mmworker.preprocess.params import (
+from mmworker_preprocess.params import (
     PREPROCESS_VERSION,
     ImageParams,
     PreparedImage,
@@ -168,7 +168,7 @@ def test_key_is_canonical_sorted_json_hash() -> None:
 def test_key_is_stable_across_processes() -> None:
     code = (
         "from mmworker.cache import make_key\n"
-        "from preprocess.params import ImageParams, VideoParams\n"
+        "from mmworker_preprocess.params import ImageParams, VideoParams\n"
         "print(make_key('ab' * 32, ImageParams()), make_key('cd' * 32, VideoParams(fps=1.5)))\n"
     )
     # A different hash seed proves no dict/set ordering or hash() leaks into the key.

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import ChoiceFormat, Failure, JsonSchemaFormat
+from mmworker_schemas import ChoiceFormat, Failure, JsonSchemaFormat
 
 from mmworker.cli import _RUN_FLAGS, build_parser, main, overrides_from
 from mmworker.client import parse_answer, unreachable
@@ -157,7 +157,7 @@ def test_a_bad_response_format_is_one_line_before_the_brokers(
 
 
 def test_answers_are_read_as_results_or_failures() -> None:
-    from mmworker.schemas import ErrorCode
+    from mmworker_schemas import ErrorCode
 
     failure = {"job_id": "j2", "code": "forbidden_uri", "message": "m", "retryable": False,
                "attempts": 1, "source": {"topic": "t", "partition": 0, "offset": 3},

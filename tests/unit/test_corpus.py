@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mmworker.preprocess.errors import PreprocessError
-from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from mmworker.preprocess.prepare import prepare_media
-from mmworker.preprocess.tokens import image_tokens, video_tokens
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess.errors import PreprocessError
+from mmworker_preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker_preprocess.prepare import prepare_media
+from mmworker_preprocess.tokens import image_tokens, video_tokens
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.config import PreprocessConfig
 

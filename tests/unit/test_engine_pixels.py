@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mmworker.preprocess.params import PreparedImage, PreparedVideo
+from mmworker_preprocess.params import PreparedImage, PreparedVideo
 
 from mmworker.engine import pixels
 from mmworker.engine.video_metadata import vllm_video_metadata
@@ -189,7 +189,7 @@ _READ_ONLY = """
 import warnings
 import numpy as np
 from mmworker.engine import pixels
-from mmworker.preprocess.params import PreparedImage
+from mmworker_preprocess.params import PreparedImage
 frames = np.zeros((28, 28, 3), np.uint8)
 frames.setflags(write=False)
 if CONTROL:  # torch warns once per process: drop the module's filter before the first call

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from mmworker.preprocess.errors import BadResponse, FetchFailed, PreprocessError, TooLarge
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
-from mmworker.schemas.errors import CodedError, InvalidJson, SchemaError
+from mmworker_preprocess.errors import BadResponse, FetchFailed, PreprocessError, TooLarge
+from mmworker_schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker_schemas.errors import CodedError, InvalidJson, SchemaError
 
 from mmworker.errors import EngineFatal, RequestFailed, WorkerError
 

@@ -11,18 +11,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mmworker.preprocess import fetch
-from mmworker.preprocess.errors import (
+from mmworker_preprocess import fetch
+from mmworker_preprocess.errors import (
     ChecksumMismatch,
     FetchFailed,
     FetchTimeout,
     ForbiddenUri,
     TooLarge,
 )
-from mmworker.preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason, sha256_hex
-from mmworker.preprocess.params import FetchPolicy
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.job import MediaRef
+from mmworker_preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason, sha256_hex
+from mmworker_preprocess.params import FetchPolicy
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.job import MediaRef
 
 BODY = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8
 

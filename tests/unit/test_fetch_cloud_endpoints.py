@@ -13,11 +13,11 @@ from __future__ import annotations
 from ipaddress import ip_network
 
 import pytest
-from mmworker.preprocess import fetch
-from mmworker.preprocess.errors import ForbiddenUri
-from mmworker.preprocess.fetch import check_allowed, fetch_bytes
-from mmworker.preprocess.params import FetchPolicy
-from mmworker.schemas.job import MediaRef
+from mmworker_preprocess import fetch
+from mmworker_preprocess.errors import ForbiddenUri
+from mmworker_preprocess.fetch import check_allowed, fetch_bytes
+from mmworker_preprocess.params import FetchPolicy
+from mmworker_schemas.job import MediaRef
 
 ENDPOINTS = [
     "168.63.129.16",  # Azure WireServer

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from mmworker.preprocess import fetch
-from mmworker.preprocess.errors import (
+from mmworker_preprocess import fetch
+from mmworker_preprocess.errors import (
     BadResponse,
     FetchAborted,
     FetchFailed,
@@ -26,10 +26,10 @@ from mmworker.preprocess.errors import (
     PreprocessError,
     TooLarge,
 )
-from mmworker.preprocess.fetch import FetchHandle, fetch_bytes
-from mmworker.preprocess.params import FetchPolicy
-from mmworker.schemas import Job, MediaRef
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess.fetch import FetchHandle, fetch_bytes
+from mmworker_preprocess.params import FetchPolicy
+from mmworker_schemas import Job, MediaRef
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
-from mmworker.preprocess import fetch, netpolicy
-from mmworker.preprocess.errors import FetchFailed, ForbiddenUri, MalformedUri
-from mmworker.preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason
-from mmworker.preprocess.params import FetchPolicy
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.job import MediaRef
+from mmworker_preprocess import fetch, netpolicy
+from mmworker_preprocess.errors import FetchFailed, ForbiddenUri, MalformedUri
+from mmworker_preprocess.fetch import check_allowed, fetch_bytes, forbidden_reason
+from mmworker_preprocess.params import FetchPolicy
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.job import MediaRef
 
 
 def _nat64_local(v4: str, cut: int) -> str:

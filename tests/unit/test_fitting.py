@@ -23,9 +23,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-from mmworker.preprocess.errors import TooManyVisualTokens
-from mmworker.preprocess.image import prepare_image
-from mmworker.preprocess.params import (
+from mmworker_preprocess.errors import TooManyVisualTokens
+from mmworker_preprocess.image import prepare_image
+from mmworker_preprocess.params import (
     FRAME_FACTOR,
     ImageParams,
     PreparedVideo,
@@ -35,10 +35,10 @@ from mmworker.preprocess.params import (
     video_pixel_floor,
     video_token_ceiling,
 )
-from mmworker.preprocess.resize import smart_resize
-from mmworker.preprocess.tokens import fair_shares, image_tokens, resized, video_tokens
-from mmworker.preprocess.video import prepare_video
-from mmworker.schemas import Failure, Job, MediaRef, Result, SourceCoords
+from mmworker_preprocess.resize import smart_resize
+from mmworker_preprocess.tokens import fair_shares, image_tokens, resized, video_tokens
+from mmworker_preprocess.video import prepare_video
+from mmworker_schemas import Failure, Job, MediaRef, Result, SourceCoords
 
 from mmworker.cache import DiskFeatureCache, make_key
 from mmworker.config import PreprocessConfig

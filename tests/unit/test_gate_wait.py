@@ -13,8 +13,8 @@ import asyncio
 from typing import Any
 
 import numpy as np
-from mmworker.preprocess.params import PreparedImage
-from mmworker.schemas import Failure, Job, MediaRef, Result, SourceCoords
+from mmworker_preprocess.params import PreparedImage
+from mmworker_schemas import Failure, Job, MediaRef, Result, SourceCoords
 
 from mmworker.engine import EngineOutput
 from mmworker.jobs import JobRunner

@@ -4,12 +4,12 @@ import io
 
 import numpy as np
 import pytest
-from mmworker.preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
-from mmworker.preprocess.image import prepare_image
-from mmworker.preprocess.params import ImageParams
-from mmworker.preprocess.resize import smart_resize
-from mmworker.preprocess.tokens import image_tokens
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess.errors import BadAspectRatio, TooLarge, UndecodableImage
+from mmworker_preprocess.image import prepare_image
+from mmworker_preprocess.params import ImageParams
+from mmworker_preprocess.resize import smart_resize
+from mmworker_preprocess.tokens import image_tokens
+from mmworker_schemas.codes import ErrorCode
 from PIL import Image, ImageOps, JpegImagePlugin
 
 from tests import media_images as imgs
@@ -283,7 +283,7 @@ def test_a_cap_below_the_models_floor_settles_where_the_engine_keeps_it(
 ) -> None:
     """vLLM re-runs smart_resize with the model's bounds; the size we pick must be its fixed point,
     or the tokens the worker counts are not the ones the engine uses."""
-    from mmworker.preprocess.params import MIN_PIXELS
+    from mmworker_preprocess.params import MIN_PIXELS
 
     data = io.BytesIO()
     Image.new("RGB", (width, height), (40, 90, 200)).save(data, format="PNG")

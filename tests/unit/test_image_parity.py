@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mmworker.preprocess.errors import BadAspectRatio
-from mmworker.preprocess.image import prepare_image
-from mmworker.preprocess.params import MAX_PIXELS, MIN_PIXELS, ImageParams
-from mmworker.preprocess.resize import smart_resize
+from mmworker_preprocess.errors import BadAspectRatio
+from mmworker_preprocess.image import prepare_image
+from mmworker_preprocess.params import MAX_PIXELS, MIN_PIXELS, ImageParams
+from mmworker_preprocess.resize import smart_resize
 
 from tests import media_images as imgs
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from mmworker.schemas import Failure, GenerationParams, Job, MediaRef, SourceCoords
+from mmworker_schemas import Failure, GenerationParams, Job, MediaRef, SourceCoords
 
 from mmworker.engine import _check_finished
 from mmworker.errors import RequestFailed

@@ -7,14 +7,15 @@ import os
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Repository folder → the package it installs as (pyproject's package-dir).
 FOLDERS = {
     "mmworker": "mmworker",
-    "schemas": "mmworker.schemas",
-    "preprocess": "mmworker.preprocess",
+    "schemas/mmworker_schemas": "mmworker_schemas",
+    "preprocess/mmworker_preprocess": "mmworker_preprocess",
 }
 
 
@@ -33,17 +34,17 @@ def test_pyproject_lists_every_package_folder() -> None:
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert set(tool["packages"]) == _packages_on_disk()
     assert tool["package-dir"] == {
-        "mmworker.schemas": "schemas",
-        "mmworker.preprocess": "preprocess",
+        "mmworker_schemas": "schemas/mmworker_schemas",
+        "mmworker_preprocess": "preprocess/mmworker_preprocess",
     }
 
 
 def test_no_generic_top_level_packages_are_installed(tmp_path: Path) -> None:
     """Outside the checkout (so the working directory does not put the folders on sys.path)
-    the installed packages are mmworker.schemas/mmworker.preprocess, and the generic names are free
+    the installed packages are mmworker_schemas/mmworker_preprocess, and the generic names are free
     for the user's own packages."""
     code = (
-        "import importlib.util, mmworker.schemas, mmworker.preprocess.prepare\n"
+        "import importlib.util, mmworker_schemas, mmworker_preprocess.prepare\n"
         "print(importlib.util.find_spec('schemas'), importlib.util.find_spec('preprocess'))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -101,3 +102,39 @@ def test_importing_every_runtime_module_loads_no_devkit_module() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_schemas_build_alone_as_their_own_distribution(tmp_path: Path) -> None:
+    """Producers and consumers may depend on the wire contract alone (`pip install ./schemas`):
+    the wheel holds the package and its JSON Schemas, nothing of the worker, and it imports
+    without the worker installed."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         str(ROOT / "schemas"), "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("mmworker_schemas-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = {n for n in z.namelist() if ".dist-info/" not in n}
+        z.extractall(tmp_path / "site", members=names)
+    on_disk = {
+        p.relative_to(ROOT / "schemas").as_posix()
+        for p in (ROOT / "schemas" / "mmworker_schemas").rglob("*")
+        if p.suffix in (".py", ".json")
+    }
+    assert names == on_disk
+    # -S: no site-packages, so neither the worker nor its editable install can be imported; only
+    # pydantic's folder is put beside the unpacked wheel.
+    import pydantic
+
+    paths = [str(tmp_path / "site"), str(Path(pydantic.__file__).parents[1])]
+    code = (
+        f"import sys; sys.path[:0] = {paths!r}; import mmworker_schemas as s; "
+        "print(s.__file__, s.Job.__name__, 'mmworker' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    where, job, worker = out.stdout.split()
+    assert where.startswith(str(tmp_path / "site")) and job == "Job" and worker == "False"

@@ -21,11 +21,11 @@ from typing import Any
 
 import psutil
 import pytest
-from mmworker.preprocess.errors import PreprocessError, UndecodableImage
-from mmworker.preprocess.params import ImageParams, VideoParams
-from mmworker.preprocess.prepare import prepare_media
-from mmworker.schemas import Job, MediaRef
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker_preprocess.errors import PreprocessError, UndecodableImage
+from mmworker_preprocess.params import ImageParams, VideoParams
+from mmworker_preprocess.prepare import prepare_media
+from mmworker_schemas import Job, MediaRef
+from mmworker_schemas.codes import RETRYABLE_CODES, ErrorCode
 
 from mmworker import media as media_module
 from mmworker.cache import NullFeatureCache

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from mmworker.preprocess.errors import ForbiddenUri, UndecodableImage
-from mmworker.schemas import Job, MediaRef
+from mmworker_preprocess.errors import ForbiddenUri, UndecodableImage
+from mmworker_schemas import Job, MediaRef
 
 from mmworker.cache import DiskFeatureCache
 from mmworker.config import PreprocessConfig
@@ -154,7 +154,7 @@ def test_a_failed_shared_decode_fails_every_waiter_with_the_same_typed_error(
 
 
 def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Path) -> None:
-    from mmworker.preprocess.tokens import image_tokens
+    from mmworker_preprocess.tokens import image_tokens
 
     from mmworker.media import TokenBudget
 
@@ -175,7 +175,7 @@ def test_a_budget_reaches_the_params_and_the_key_only_when_it_binds(tmp_path: Pa
 def test_features_prepared_without_a_budget_serve_a_budget_they_fit(tmp_path: Path) -> None:
     """Jobs that differ only in max_tokens (a budget that might bind, so part of the key) must
     still share features when the unfitted ones fit: fitting would have changed nothing."""
-    from mmworker.preprocess.tokens import video_tokens
+    from mmworker_preprocess.tokens import video_tokens
 
     from mmworker.devkit.samples import sample_video
     from mmworker.media import TokenBudget

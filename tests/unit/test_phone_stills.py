@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mmworker.preprocess import image as image_module
-from mmworker.preprocess.errors import TooLarge, UndecodableImage
-from mmworker.preprocess.image import prepare_image
-from mmworker.preprocess.params import ImageParams, VideoParams
-from mmworker.preprocess.prepare import prepare_media
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess import image as image_module
+from mmworker_preprocess.errors import TooLarge, UndecodableImage
+from mmworker_preprocess.image import prepare_image
+from mmworker_preprocess.params import ImageParams, VideoParams
+from mmworker_preprocess.prepare import prepare_media
+from mmworker_schemas.codes import ErrorCode
 from PIL import Image
 
 from tests import media_images as imgs

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition as KafkaTP
-from mmworker.schemas import Result
+from mmworker_schemas import Result
 
 from mmworker.config import WorkerConfig, load_config
 from mmworker.devkit.broker import EmbeddedBroker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from mmworker.schemas import SourceCoords
+from mmworker_schemas import SourceCoords
 
 from mmworker.config import LimitsConfig
 from mmworker.errors import EngineFatal

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from mmworker.schemas import Failure, SourceCoords
-from mmworker.schemas.codes import ErrorCode
+from mmworker_schemas import Failure, SourceCoords
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.backfill import OUTPUT_COLUMNS, journal_path, read_output, write_rows
 from mmworker.errors import ConfigError

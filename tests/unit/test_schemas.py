@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from mmworker.schemas import (
+from mmworker_schemas import (
     SCHEMA_VERSION,
     ErrorCode,
     Failure,
@@ -17,7 +17,7 @@ from mmworker.schemas import (
     UnsupportedVersion,
     parse_job,
 )
-from mmworker.schemas.export import JSON_DIR, MODELS, render
+from mmworker_schemas.export import JSON_DIR, MODELS, render
 
 
 def _job(**over: object) -> bytes:
@@ -140,13 +140,13 @@ def test_committed_json_schemas_are_current() -> None:
     for name, model in MODELS.items():
         path = JSON_DIR / f"{name}.schema.json"
         assert path.read_text() == render(model), (
-            f"{path} is stale: run python -m mmworker.schemas.export"
+            f"{path} is stale: run python -m mmworker_schemas.export"
         )
 
 
 def test_schemas_and_preprocess_import_no_heavy_packages() -> None:
     code = (
-        "import sys, schemas, preprocess, preprocess.prepare, preprocess.fetch;"
+        "import sys, mmworker_schemas, mmworker_preprocess.prepare, mmworker_preprocess.fetch;"
         "heavy = [m for m in ('torch', 'vllm', 'kafka', 'transformers') if m in sys.modules];"
         "print(','.join(heavy))"
     )

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 from media_scenes import scene_video
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video import segments as segments_module
-from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
-from mmworker.schemas import GenerationParams, Job, MediaRef, SourceCoords
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video import segments as segments_module
+from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker_schemas import GenerationParams, Job, MediaRef, SourceCoords
 
 from mmworker import media as media_module
 from mmworker.cache import DiskFeatureCache, segment_key

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 from media_scenes import scene_video
-from mmworker.preprocess.errors import UndecodableVideo
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video.segments import SegmentRule, prepare_segment
+from mmworker_preprocess.errors import UndecodableVideo
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video.segments import SegmentRule, prepare_segment
 
 from mmworker import media as media_module
 from mmworker.cache import NullFeatureCache

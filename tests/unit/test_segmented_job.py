@@ -10,10 +10,10 @@ import re
 
 import pytest
 from media_scenes import scene_video
-from mmworker.preprocess.errors import UndecodableVideo
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
-from mmworker.schemas import ErrorCode, GenerationParams, Job, MediaRef, SourceCoords
+from mmworker_preprocess.errors import UndecodableVideo
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker_schemas import ErrorCode, GenerationParams, Job, MediaRef, SourceCoords
 
 from mmworker.engine import EngineItem, EngineOutput
 from mmworker.engine.guidance import Checked

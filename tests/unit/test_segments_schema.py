@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from mmworker.schemas import InvalidSchema, Result, SegmentResult, parse_job
-from mmworker.schemas.codes import ErrorCode
+from mmworker_schemas import InvalidSchema, Result, SegmentResult, parse_job
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.config import TaskConfig
 from mmworker.tasks import plan_job

@@ -6,9 +6,9 @@ import io
 import av
 import numpy as np
 import pytest
-from mmworker.preprocess.errors import UnsupportedMedia
-from mmworker.preprocess.sniff import MediaType, sniff
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess.errors import UnsupportedMedia
+from mmworker_preprocess.sniff import MediaType, sniff
+from mmworker_schemas.codes import ErrorCode
 
 from tests import media_images as imgs
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mmworker.schemas import (
+from mmworker_schemas import (
     DEFAULT_PROMPTS,
     ChoiceFormat,
     ErrorCode,
@@ -30,7 +30,7 @@ from mmworker.schemas import (
     SourceCoords,
     parse_job,
 )
-from mmworker.schemas.errors import InvalidSchema
+from mmworker_schemas.errors import InvalidSchema
 from pydantic import ValidationError
 
 from mmworker.cache import DiskFeatureCache

@@ -17,24 +17,24 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-from mmworker.preprocess.errors import (
+from mmworker_preprocess.errors import (
     NoFrames,
     PreprocessError,
     TooLarge,
     UndecodableVideo,
     UnsupportedMedia,
 )
-from mmworker.preprocess.params import (
+from mmworker_preprocess.params import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VIDEO_TOTAL_PIXELS,
     PreparedVideo,
     VideoParams,
 )
-from mmworker.preprocess.resize import smart_resize
-from mmworker.preprocess.video import DecodeStats, frame_max_pixels, prepare_video
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.job import VideoStrategy
+from mmworker_preprocess.resize import smart_resize
+from mmworker_preprocess.video import DecodeStats, frame_max_pixels, prepare_video
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.job import VideoStrategy
 
 AV1 = mv.av1_encoder()
 CODECS = [
@@ -398,7 +398,7 @@ def test_preprocess_does_not_import_heavy_dependencies() -> None:
     import subprocess
 
     code = (
-        "import sys, mmworker.preprocess.video, mmworker.preprocess.prepare;"
+        "import sys, mmworker_preprocess.video, mmworker_preprocess.prepare;"
         "bad = [m for m in ('torch', 'vllm', 'kafka') if m in sys.modules];"
         "print(','.join(bad)); sys.exit(1 if bad else 0)"
     )

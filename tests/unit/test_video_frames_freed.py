@@ -15,9 +15,9 @@ import media_videos as mv
 import numpy as np
 import pytest
 from av.video.frame import VideoFrame
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video import prepare_video
-from mmworker.preprocess.video.segments import SegmentRule, prepare_segment
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video import prepare_video
+from mmworker_preprocess.video.segments import SegmentRule, prepare_segment
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-from mmworker.preprocess.params import PreparedVideo, VideoParams
-from mmworker.preprocess.tokens import video_tokens
-from mmworker.preprocess.video import prepare_video
+from mmworker_preprocess.params import PreparedVideo, VideoParams
+from mmworker_preprocess.tokens import video_tokens
+from mmworker_preprocess.video import prepare_video
 
 from mmworker.engine.video_metadata import vllm_video_metadata
 

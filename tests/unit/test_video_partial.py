@@ -16,11 +16,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import media_videos as mv
-from mmworker.preprocess.errors import UndecodableVideo
-from mmworker.preprocess.params import ImageParams, PreparedVideo, VideoParams
-from mmworker.preprocess.prepare import prepare_media
-from mmworker.preprocess.video import prepare_video
-from mmworker.schemas.codes import ErrorCode
+from mmworker_preprocess.errors import UndecodableVideo
+from mmworker_preprocess.params import ImageParams, PreparedVideo, VideoParams
+from mmworker_preprocess.prepare import prepare_media
+from mmworker_preprocess.video import prepare_video
+from mmworker_schemas.codes import ErrorCode
 
 
 @cache

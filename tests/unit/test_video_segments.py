@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 from media_scenes import scene_video
-from mmworker.preprocess.errors import TooManyVisualTokens
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
-from mmworker.preprocess.video.stats import DecodeStats
+from mmworker_preprocess.errors import TooManyVisualTokens
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
+from mmworker_preprocess.video.stats import DecodeStats
 
 CUTS = [7.5, 19.0, 33.0, 41.25, 52.0]
 PARAMS = VideoParams(max_frames=16, min_pixels=64 * 28 * 28)

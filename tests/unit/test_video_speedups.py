@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import mmworker.preprocess.video as video
+import mmworker_preprocess.video as video
 import numpy as np
 import pytest
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video import decode, schedule
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video import decode, schedule
 
 from tests.media_videos import encode_video
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 from kafka import KafkaProducer
-from mmworker.schemas import SourceCoords
+from mmworker_schemas import SourceCoords
 
 from mmworker.config import load_config
 from mmworker.devkit.broker import EmbeddedBroker

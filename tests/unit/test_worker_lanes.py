@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 from kafka import KafkaProducer
-from mmworker.schemas import SourceCoords
+from mmworker_schemas import SourceCoords
 
 from mmworker.config import KafkaConfig, load_config
 from mmworker.devkit.broker import EmbeddedBroker

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from kafka.errors import KafkaConnectionError, MessageSizeTooLargeError, UnknownError
-from mmworker.schemas import SourceCoords
-from mmworker.schemas.codes import ErrorCode
+from mmworker_schemas import SourceCoords
+from mmworker_schemas.codes import ErrorCode
 
 from mmworker.errors import EngineFatal
 from mmworker.exits import ExitCode

@@ -19,7 +19,7 @@ from kafka.errors import (
     MessageSizeTooLargeError,
     TopicAuthorizationFailedError,
 )
-from mmworker.schemas import Result
+from mmworker_schemas import Result
 
 from mmworker.checkpoints import Checkpoints
 from mmworker.config import WorkerConfig, load_config

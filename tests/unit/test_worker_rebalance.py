@@ -20,7 +20,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.structs import TopicPartition
-from mmworker.schemas import SourceCoords
+from mmworker_schemas import SourceCoords
 
 from mmworker import checkpoints as checkpoints_module
 from mmworker import worker as worker_module

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 
-from mmworker.preprocess.params import FetchPolicy
+from mmworker_preprocess.params import FetchPolicy
 
 IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mmworker.preprocess.video.timeline import Timeline
+from mmworker_preprocess.video.timeline import Timeline
 
 #: Decoders working on one video at once: a second one, in its own container, takes the later
 #: half of the decode stretches. Frames of a GOP form a reference chain, so FFmpeg's frame

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from mmworker.schemas.errors import InvalidJson, InvalidSchema, UnsupportedVersion
-from mmworker.schemas.job import JOB_ID_MAX_LENGTH, Job
-from mmworker.schemas.version import SCHEMA_MAJOR, major_of
 from pydantic import ValidationError
+
+from mmworker_schemas.errors import InvalidJson, InvalidSchema, UnsupportedVersion
+from mmworker_schemas.job import JOB_ID_MAX_LENGTH, Job
+from mmworker_schemas.version import SCHEMA_MAJOR, major_of
 
 
 def parse_job(raw: bytes | None) -> Job:

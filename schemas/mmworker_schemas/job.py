@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal, TypeAlias
 
-from mmworker.schemas.segments import SegmentSpec
-from mmworker.schemas.version import SCHEMA_VERSION, VERSION_PATTERN
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -16,6 +14,9 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
+
+from mmworker_schemas.segments import SegmentSpec
+from mmworker_schemas.version import SCHEMA_VERSION, VERSION_PATTERN
 
 MediaKind = Literal["image", "video"]
 VideoStrategy = Literal["fps", "interval", "keyframes"]

@@ -1,6 +1,7 @@
-"""Write the JSON Schemas of the wire messages into schemas/json/ (committed, checked by a test).
+"""Write the JSON Schemas of the wire messages into schemas/mmworker_schemas/json/ (committed,
+checked by a test).
 
-Run: `python -m mmworker.schemas.export` after changing a model.
+Run: `python -m mmworker_schemas.export` after changing a model.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import json
 import sys
 from pathlib import Path
 
-from mmworker.schemas.failure import Failure
-from mmworker.schemas.job import Job
-from mmworker.schemas.result import Result
 from pydantic import BaseModel
+
+from mmworker_schemas.failure import Failure
+from mmworker_schemas.job import Job
+from mmworker_schemas.result import Result
 
 MODELS: dict[str, type[BaseModel]] = {"job": Job, "result": Result, "failure": Failure}
 JSON_DIR = Path(__file__).parent / "json"

@@ -24,15 +24,16 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 import pillow_heif
-from mmworker.preprocess.errors import (
+from PIL import Image, UnidentifiedImageError
+
+from mmworker_preprocess.errors import (
     BadAspectRatio,
     TooLarge,
     TooManyVisualTokens,
     UndecodableImage,
 )
-from mmworker.preprocess.params import ImageParams, PreparedImage
-from mmworker.preprocess.tokens import fit_pixels, image_tokens, resized
-from PIL import Image, UnidentifiedImageError
+from mmworker_preprocess.params import ImageParams, PreparedImage
+from mmworker_preprocess.tokens import fit_pixels, image_tokens, resized
 
 #: Pillow may open only these; other plugins (EPS runs Ghostscript, for one) are never reached.
 #: JPEG covers MPO too. AVIF is tried before HEIF: both accept the generic `mif1` brand, and a

@@ -6,10 +6,10 @@ values so the decode and resize run outside the worker's GIL.
 
 from __future__ import annotations
 
-from mmworker.preprocess.image import prepare_image
-from mmworker.preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
-from mmworker.preprocess.sniff import sniff
-from mmworker.preprocess.video import prepare_video
+from mmworker_preprocess.image import prepare_image
+from mmworker_preprocess.params import ImageParams, PreparedImage, PreparedVideo, VideoParams
+from mmworker_preprocess.sniff import sniff
+from mmworker_preprocess.video import prepare_video
 
 
 def prepare_media(

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mmworker.preprocess.avopen import open_input
-from mmworker.preprocess.errors import UnsupportedMedia
+from mmworker_preprocess.avopen import open_input
+from mmworker_preprocess.errors import UnsupportedMedia
 
 MediaKindName = Literal["image", "video"]
 

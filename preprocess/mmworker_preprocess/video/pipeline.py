@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from mmworker.preprocess.errors import NoFrames, TooManyVisualTokens, UndecodableVideo
-from mmworker.preprocess.params import FRAME_FACTOR, PreparedVideo, VideoParams
-from mmworker.preprocess.tokens import video_tokens
-from mmworker.preprocess.video.container import check_source_size, open_container, video_stream
-from mmworker.preprocess.video.decode import decode
-from mmworker.preprocess.video.partial import judge
-from mmworker.preprocess.video.sampling import fit, plan_frames
-from mmworker.preprocess.video.schedule import decode_runs
-from mmworker.preprocess.video.stats import DecodeStats
-from mmworker.preprocess.video.timeline import scan
+
+from mmworker_preprocess.errors import NoFrames, TooManyVisualTokens, UndecodableVideo
+from mmworker_preprocess.params import FRAME_FACTOR, PreparedVideo, VideoParams
+from mmworker_preprocess.tokens import video_tokens
+from mmworker_preprocess.video.container import check_source_size, open_container, video_stream
+from mmworker_preprocess.video.decode import decode
+from mmworker_preprocess.video.partial import judge
+from mmworker_preprocess.video.sampling import fit, plan_frames
+from mmworker_preprocess.video.schedule import decode_runs
+from mmworker_preprocess.video.stats import DecodeStats
+from mmworker_preprocess.video.timeline import scan
 
 
 def prepare_video(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from mmworker.schemas.codes import ErrorCode
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+
+from mmworker_schemas.codes import ErrorCode
 
 SegmentMode = Literal["fixed", "scenes"]
 #: Default cap on segments per job: keeps one result record far under the broker's message limit

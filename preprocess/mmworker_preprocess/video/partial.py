@@ -6,9 +6,9 @@ decoding by the same test that later weighs what the decoder got through.
 
 from __future__ import annotations
 
-from mmworker.preprocess.errors import UndecodableVideo
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.video.timeline import Timeline
+from mmworker_preprocess.errors import UndecodableVideo
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.video.timeline import Timeline
 
 #: A video is `partial` when what decodes falls short of its duration by more than this many
 #: seconds and this share of it: less is container rounding (an AVI index counting one frame

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from mmworker.preprocess.errors import BadAspectRatio
-from mmworker.preprocess.params import (
+from mmworker_preprocess.errors import BadAspectRatio
+from mmworker_preprocess.params import (
     IMAGE_FACTOR,
     MAX_PIXELS,
     MAX_RATIO,

@@ -42,16 +42,17 @@ import numpy.typing as npt
 from av.container import InputContainer
 from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
-from mmworker.preprocess.errors import NoFrames, TooManyVisualTokens, UndecodableVideo
-from mmworker.preprocess.params import FRAME_FACTOR, PreparedVideo, VideoParams, frame_max_pixels
-from mmworker.preprocess.tokens import resized, video_tokens
-from mmworker.preprocess.video.container import check_source_size, open_container, video_stream
-from mmworker.preprocess.video.decode import decode
-from mmworker.preprocess.video.orientation import SWAPS, orientation
-from mmworker.preprocess.video.schedule import decode_runs
-from mmworker.preprocess.video.stats import DecodeStats
-from mmworker.preprocess.video.timeline import Timeline, scan
 from PIL import Image
+
+from mmworker_preprocess.errors import NoFrames, TooManyVisualTokens, UndecodableVideo
+from mmworker_preprocess.params import FRAME_FACTOR, PreparedVideo, VideoParams, frame_max_pixels
+from mmworker_preprocess.tokens import resized, video_tokens
+from mmworker_preprocess.video.container import check_source_size, open_container, video_stream
+from mmworker_preprocess.video.decode import decode
+from mmworker_preprocess.video.orientation import SWAPS, orientation
+from mmworker_preprocess.video.schedule import decode_runs
+from mmworker_preprocess.video.stats import DecodeStats
+from mmworker_preprocess.video.timeline import Timeline, scan
 
 #: Side of the RGB thumbnails scene detection compares (colour, not grey: red and blue scenes
 #: can have nearly the same luma).

@@ -14,7 +14,8 @@ import av.error
 import numpy as np
 from av.container import InputContainer
 from av.video.stream import VideoStream
-from mmworker.preprocess.video.stats import DecodeStats
+
+from mmworker_preprocess.video.stats import DecodeStats
 
 
 @dataclass(frozen=True, slots=True)

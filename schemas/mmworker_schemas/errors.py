@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker_schemas.codes import RETRYABLE_CODES, ErrorCode
 
 
 class CodedError(Exception):

@@ -19,15 +19,16 @@ import numpy.typing as npt
 from av.container import InputContainer
 from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
-from mmworker.preprocess.errors import UndecodableVideo
-from mmworker.preprocess.params import VideoParams
-from mmworker.preprocess.tokens import resized
-from mmworker.preprocess.video.container import check_source_size, open_container, video_stream
-from mmworker.preprocess.video.orientation import SWAPS, orientation
-from mmworker.preprocess.video.schedule import Run, split
-from mmworker.preprocess.video.stats import DecodeStats
-from mmworker.preprocess.video.timeline import Timeline
 from PIL import Image
+
+from mmworker_preprocess.errors import UndecodableVideo
+from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.tokens import resized
+from mmworker_preprocess.video.container import check_source_size, open_container, video_stream
+from mmworker_preprocess.video.orientation import SWAPS, orientation
+from mmworker_preprocess.video.schedule import Run, split
+from mmworker_preprocess.video.stats import DecodeStats
+from mmworker_preprocess.video.timeline import Timeline
 
 #: A stretch of unneeded packets at least this long is jumped with a container seek; shorter
 #: stretches are demuxed and dropped, because demuxing a packet costs microseconds while a seek

@@ -58,8 +58,8 @@ pass), `orientation` (the display matrix), `partial` (how much of a damaged vide
 `pipeline`, which runs them in order.
 """
 
-from mmworker.preprocess.params import frame_max_pixels
-from mmworker.preprocess.video.pipeline import prepare_video
-from mmworker.preprocess.video.stats import DecodeStats
+from mmworker_preprocess.params import frame_max_pixels
+from mmworker_preprocess.video.pipeline import prepare_video
+from mmworker_preprocess.video.stats import DecodeStats
 
 __all__ = ["DecodeStats", "frame_max_pixels", "prepare_video"]

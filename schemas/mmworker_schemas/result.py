@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from mmworker.schemas.job import MediaKind
-from mmworker.schemas.segments import SegmentResult
-from mmworker.schemas.version import SCHEMA_VERSION
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from mmworker_schemas.job import MediaKind
+from mmworker_schemas.segments import SegmentResult
+from mmworker_schemas.version import SCHEMA_VERSION
 
 
 class _Out(BaseModel):

@@ -5,7 +5,7 @@ configured roots, and http(s):// refuses internal addresses (cloud metadata, loo
 the private network) unless the operator opts in. Sizes and time are bounded because one slow or
 huge download must not stall a worker that serves many jobs, and servers are treated as hostile
 too: one wall-clock deadline covers every receive of the whole fetch (see
-`mmworker.preprocess.http1`), and the job that started a fetch can stop it through a `FetchHandle`.
+`mmworker_preprocess.http1`), and the job that started a fetch can stop it through a `FetchHandle`.
 
 Synchronous by design: it runs in a thread or process pool next to decoding.
 """
@@ -27,8 +27,10 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from mmworker.preprocess import netpolicy
-from mmworker.preprocess.errors import (
+from mmworker_schemas.job import MediaRef
+
+from mmworker_preprocess import netpolicy
+from mmworker_preprocess.errors import (
     BadResponse,
     ChecksumMismatch,
     FetchAborted,
@@ -39,10 +41,9 @@ from mmworker.preprocess.errors import (
     PreprocessError,
     TooLarge,
 )
-from mmworker.preprocess.http1 import Reader
-from mmworker.preprocess.netpolicy import forbidden_reason
-from mmworker.preprocess.params import FetchPolicy
-from mmworker.schemas.job import MediaRef
+from mmworker_preprocess.http1 import Reader
+from mmworker_preprocess.netpolicy import forbidden_reason
+from mmworker_preprocess.params import FetchPolicy
 
 __all__ = ["FetchHandle", "check_allowed", "fetch_bytes", "forbidden_reason", "sha256_hex"]
 

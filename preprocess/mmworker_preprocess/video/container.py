@@ -10,9 +10,10 @@ import av.error
 from av.container import InputContainer
 from av.stream import Disposition
 from av.video.stream import VideoStream
-from mmworker.preprocess.avopen import open_input
-from mmworker.preprocess.errors import TooLarge, UndecodableVideo, UnsupportedMedia
-from mmworker.preprocess.params import VideoParams
+
+from mmworker_preprocess.avopen import open_input
+from mmworker_preprocess.errors import TooLarge, UndecodableVideo, UnsupportedMedia
+from mmworker_preprocess.params import VideoParams
 
 
 def open_container(data: bytes) -> InputContainer:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from mmworker.schemas.codes import ErrorCode
-from mmworker.schemas.result import SourceCoords
-from mmworker.schemas.version import SCHEMA_VERSION
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from mmworker_schemas.codes import ErrorCode
+from mmworker_schemas.result import SourceCoords
+from mmworker_schemas.version import SCHEMA_VERSION
 
 #: The original payload is kept for replay up to this size; larger ones are cut and flagged.
 MAX_PAYLOAD_BYTES = 64 * 1024

@@ -14,15 +14,16 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from mmworker.preprocess.errors import TooManyVisualTokens
-from mmworker.preprocess.params import (
+
+from mmworker_preprocess.errors import TooManyVisualTokens
+from mmworker_preprocess.params import (
     FRAME_FACTOR,
     VideoParams,
     frame_max_pixels,
     video_pixel_floor,
 )
-from mmworker.preprocess.tokens import fit_pixels, resized, video_tokens
-from mmworker.preprocess.video.timeline import Timeline, sample_rate
+from mmworker_preprocess.tokens import fit_pixels, resized, video_tokens
+from mmworker_preprocess.video.timeline import Timeline, sample_rate
 
 
 @dataclass(slots=True)

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import h11
-from mmworker.preprocess.errors import BadResponse, FetchFailed, FetchTimeout, TooLarge
+
+from mmworker_preprocess.errors import BadResponse, FetchFailed, FetchTimeout, TooLarge
 
 #: Interim (1xx) responses tolerated before the final one; real servers send one or two.
 MAX_INTERIM = 8

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mmworker.preprocess.errors import TooManyVisualTokens
-from mmworker.preprocess.params import FRAME_FACTOR, IMAGE_FACTOR, TOKEN_PIXELS
-from mmworker.preprocess.resize import settle, smart_resize
+from mmworker_preprocess.errors import TooManyVisualTokens
+from mmworker_preprocess.params import FRAME_FACTOR, IMAGE_FACTOR, TOKEN_PIXELS
+from mmworker_preprocess.resize import settle, smart_resize
 
 
 def image_tokens(height: int, width: int) -> int:

@@ -3,10 +3,10 @@
 Only pydantic is imported here so producers and consumers can depend on this package alone.
 """
 
-from mmworker.schemas.codes import RETRYABLE_CODES, ErrorCode
-from mmworker.schemas.errors import InvalidJson, InvalidSchema, SchemaError, UnsupportedVersion
-from mmworker.schemas.failure import MAX_PAYLOAD_BYTES, Failure
-from mmworker.schemas.job import (
+from mmworker_schemas.codes import RETRYABLE_CODES, ErrorCode
+from mmworker_schemas.errors import InvalidJson, InvalidSchema, SchemaError, UnsupportedVersion
+from mmworker_schemas.failure import MAX_PAYLOAD_BYTES, Failure
+from mmworker_schemas.job import (
     DEFAULT_PROMPTS,
     MAX_MEDIA_PER_JOB,
     ChoiceFormat,
@@ -21,10 +21,10 @@ from mmworker.schemas.job import (
     VideoOptions,
     VideoStrategy,
 )
-from mmworker.schemas.parse import parse_job
-from mmworker.schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
-from mmworker.schemas.segments import SegmentError, SegmentResult, SegmentSpec, SummarySpec
-from mmworker.schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
+from mmworker_schemas.parse import parse_job
+from mmworker_schemas.result import MediaFacts, Result, SourceCoords, Timings, Usage
+from mmworker_schemas.segments import SegmentError, SegmentResult, SegmentSpec, SummarySpec
+from mmworker_schemas.version import SCHEMA_MAJOR, SCHEMA_VERSION
 
 __all__ = [
     "DEFAULT_PROMPTS",
