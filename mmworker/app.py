@@ -15,7 +15,7 @@ from mmworker import health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
-from mmworker.engine import Engine, resolve_model
+from mmworker.engine import Engine, preload, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import check_interrupted
 from mmworker.jobs import JobRunner
@@ -110,17 +110,19 @@ def run_worker(
     ready: Callable[[], object] | None = None,
     go: Callable[[], object] | None = None,
     core: CoreLink | None = None,
+    turn: Callable[[], object] | None = None,
 ) -> int:
     """Start everything, consume until stopped, tear down; returns the process exit code.
 
-    `ready` is called once the engine is up and `go` (blocking) before the first poll: the
-    hooks `mmworker.processes` uses to start several engines one at a time and then consume.
+    `turn` (blocking) is called before the engine loads, `ready` once it is up and `go`
+    (blocking) before the first poll: the hooks `mmworker.processes` uses to start several
+    processes at once, load their engines one at a time and then consume.
     `core`: attach to the supervisor's shared engine core instead of starting an engine.
     """
     logs.quiet_libraries(
         cfg.log_level, cfg.logging.format
     )  # before vLLM starts: its processes read it at start
-    return asyncio.run(_serve(cfg, create_topics, ready, go, core))
+    return asyncio.run(_serve(cfg, create_topics, ready, go, core, turn))
 
 
 async def _serve(
@@ -129,6 +131,7 @@ async def _serve(
     ready: Callable[[], object] | None,
     go: Callable[[], object] | None,
     core: CoreLink | None = None,
+    turn: Callable[[], object] | None = None,
 ) -> int:
     # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
     metrics = Metrics()
@@ -169,12 +172,21 @@ async def _serve(
     told: asyncio.Task[None] | None = None
     watching: asyncio.Task[None] | None = None
     try:
-        phases.begin("loading the model (the preprocessing pool warms up beside it)")
+        phases.begin(
+            f"{'loading the model' if turn is None else 'importing vLLM'} (the preprocessing "
+            "pool warms up beside it)"
+        )
         warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
         heap_trim.start()  # freed heap memory goes back to the system (soak: flat memory)
+        if turn is not None:
+            preload()  # in the main thread: an import may install signal handlers
+            phases.begin("waiting for the engine of the process before this one")
+            await asyncio.to_thread(turn)
+            check_interrupted()
+            phases.begin("loading the model now that the engine before it is up")
         engine = Engine(
             cfg.engine,
             resolve_model(cfg.engine.model, model_cache_dir()),

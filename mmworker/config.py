@@ -185,7 +185,9 @@ class EngineConfig(_Section):
         0.92,
         gt=0,
         le=1,
-        description="Above vLLM's 0.9 default: more room for KV cache and image features",
+        description="Above vLLM's 0.9 default: more room for KV cache and image features. Several "
+        "engines on one GPU split it; left unset, it is first lowered so 6 GiB stay beside "
+        "each engine (`mmworker config` shows each engine's share)",
     )
     max_model_len: int | None = Field(16384, ge=256, description="Context length")
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences per engine step")
@@ -631,7 +633,7 @@ class WorkerConfig(BaseSettings):
         "they split gpu_memory_utilization and the default preprocess.workers. >1 when one "
         "process's vLLM input processing (a single Python thread) can't keep the GPU busy",
         json_schema_extra={
-            "default_doc": "auto: 2 on one GPU of 100 GiB or more with 8 or more cores, else 1"
+            "default_doc": "auto: 2 on one GPU of 70 GiB or more with 8 or more cores, else 1"
         },
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(

@@ -17,13 +17,17 @@ from mmworker.hardware import GIB, Hardware
 if TYPE_CHECKING:
     from mmworker.config import WorkerConfig
 
-#: Two engines on one GPU each get half of it. On an 80 GB H100 two engines at 0.46 each ran out
-#: of GPU memory in a 16,384-token prefill step (worker and plain-vLLM peer alike, session 20:
-#: the vision encoder's activations are not all inside vLLM's budget); on the 141 GB H200 they
-#: ran in every session since 9.
-TWO_ENGINES_MIN_GPU_BYTES = 100 * GIB
 #: vLLM's own line for its larger offline batch (1,024 sequences per step).
 LARGE_GPU_BYTES = 70 * GIB
+#: Two engines share a GPU from here: each has room for the 3B model's 7.5 GiB of weights and a
+#: KV cache far larger than 1,024 jobs need.
+TWO_ENGINES_MIN_GPU_BYTES = LARGE_GPU_BYTES
+#: GPU memory left outside each engine's `gpu_memory_utilization` share when several share a GPU.
+#: vLLM sizes an engine's KV cache from a profile step whose vision-encoder activations fall
+#: short of a real 16,384-token step full of images or clips: on an 80 GB H100 two engines at
+#: half of 0.92 each went 2-3.5 GiB over their share and one died out of memory (session 20).
+#: One engine has vLLM's own 8 % beside it; N engines get this much each instead.
+ENGINE_HEADROOM_BYTES = 6 * GIB
 #: Two processes each run a vLLM front end, an engine core and half the preprocessing pool.
 TWO_PROCESSES_MIN_CORES = 8
 #: What a process holds on a large GPU: as many jobs as vLLM schedules in one step there.
@@ -50,8 +54,8 @@ def processes(hw: Hardware, gpus_per_model: int = 1) -> Choice:
     if hw.gpu_memory_bytes < TWO_ENGINES_MIN_GPU_BYTES:
         return Choice(
             1,
-            f"{memory:.0f} GiB GPU: under {TWO_ENGINES_MIN_GPU_BYTES // GIB} GiB two engines do "
-            "not fit (on an 80 GB H100 two at half the memory each ran out of it)",
+            f"{memory:.0f} GiB GPU: under {TWO_ENGINES_MIN_GPU_BYTES // GIB} GiB a second "
+            "engine's share leaves too little KV cache",
         )
     if hw.cores < TWO_PROCESSES_MIN_CORES:
         return Choice(
@@ -62,7 +66,27 @@ def processes(hw: Hardware, gpus_per_model: int = 1) -> Choice:
     return Choice(
         2,
         f"{hw.describe()}: one vLLM front end cannot keep this GPU busy; two "
-        "engines share it (half the GPU memory and preprocessing pool each)",
+        "engines share it (half the preprocessing pool each, GPU memory as "
+        "engine.gpu_memory_utilization's row says)",
+    )
+
+
+def engine_memory_share(hw: Hardware, utilization: float, engines: int, user_set: bool) -> Choice:
+    """`gpu_memory_utilization` of each of `engines` engines on one GPU. A user's own fraction
+    (`user_set`) is split evenly, as they asked; the default is lowered first so that every
+    engine keeps `ENGINE_HEADROOM_BYTES` beside its share, which on a 141 GB H200 changes
+    little (0.457 each instead of 0.46) and on an 80 GB H100 gives 0.42 each instead of 0.46."""
+    if engines <= 1:
+        return Choice(utilization, "one engine on the GPU: the whole fraction")
+    if user_set or not hw.gpu:
+        return Choice(utilization / engines, f"set: split evenly over {engines} engines")
+    headroom = engines * ENGINE_HEADROOM_BYTES / hw.gpu_memory_bytes
+    total = min(utilization, 1.0 - headroom)
+    return Choice(
+        total / engines,
+        f"{hw.gpu_memory_bytes / GIB:.0f} GiB GPU, {engines} engines: {total:.2f} of it split "
+        f"evenly, {ENGINE_HEADROOM_BYTES // GIB} GiB beside each share for the vision encoder's "
+        "activations that vLLM's profile does not count",
     )
 
 
@@ -127,6 +151,16 @@ def explain(cfg: WorkerConfig, hw: Hardware) -> list[tuple[str, Any, str]]:
             None if "max_in_flight" in cfg.limits.model_fields_set else max_in_flight(hw),
         ),
     ]
+    engines = 1 if engine.shared_core else cfg.processes
+    user_set = "gpu_memory_utilization" in engine.model_fields_set
+    share = engine_memory_share(hw, engine.gpu_memory_utilization, engines, user_set)
+    rows.append(
+        (
+            "engine.gpu_memory_utilization, each engine",
+            round(share.value, 3),
+            None if user_set else share,
+        )
+    )
     return [
         (name, value, f"auto: {choice.reason}" if choice is not None else "set")
         for name, value, choice in rows

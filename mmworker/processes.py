@@ -5,8 +5,10 @@ one Python thread, and on a fast GPU that thread, not the GPU, bounds images/s (
 in bench/results/profile-h200-images.txt). Kafka's consumer group already spreads partitions over
 members, so N processes need no coordination of their own beyond three rules:
 
-- engines start one after another: vLLM sizes its KV cache from the GPU memory it sees change
-  while it profiles, which a neighbour starting at the same moment would skew;
+- engines load one after another: vLLM sizes its KV cache from the GPU memory it sees change
+  while it profiles, which a neighbour loading at the same moment would skew (the processes
+  themselves start together, so each one's imports and preprocessing pool overlap the load of
+  the engine before it);
 - nobody consumes before every engine is up, so the group rebalances once, not N times;
 - the first child that fails takes the others down (SIGTERM: they drain and commit), so the
   supervisor above (Kubernetes, systemd) restarts the whole set rather than a silently smaller one.
@@ -28,7 +30,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mmworker import health, lifeline, logs
+from mmworker import fast_defaults, hardware, health, lifeline, logs
 from mmworker.config import WorkerConfig
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
@@ -40,13 +42,18 @@ log = logging.getLogger(__name__)
 
 def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
     """The settings of child `index`: an equal share of the GPU memory (unless they share one
-    engine core, which gets all of it) and of the CPU pool."""
+    engine core, which gets all of it; `fast_defaults.engine_memory_share` leaves headroom
+    beside each when the fraction is the default) and of the CPU pool."""
     n = cfg.processes
     engine = cfg.engine
     if not engine.shared_core:
-        engine = engine.model_copy(
-            update={"gpu_memory_utilization": engine.gpu_memory_utilization / n}
+        share = fast_defaults.engine_memory_share(
+            hardware.probe(),
+            engine.gpu_memory_utilization,
+            n,
+            user_set="gpu_memory_utilization" in engine.model_fields_set,
         )
+        engine = engine.model_copy(update={"gpu_memory_utilization": share.value})
     preprocess = cfg.preprocess
     if "workers" not in preprocess.model_fields_set:  # the default is per host: split it
         preprocess = preprocess.model_copy(update={"workers": max(1, preprocess.workers // n)})
@@ -92,9 +99,12 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     try:
         if cfg.engine.shared_core:
             return _run_shared(children)
-        for index in range(cfg.processes):
-            # One after another: vLLM sizes its KV cache from the memory it sees free.
-            if (failed := children.start_failed(*children.spawn(index))) is not None:
+        # All start at once (imports, preprocessing pool); the engines load one after another,
+        # since vLLM sizes its KV cache from the memory it sees free.
+        started = [children.spawn(index) for index in range(cfg.processes)]
+        for turn, (child, ready) in zip(children.turns, started, strict=True):
+            turn.set()
+            if (failed := children.start_failed(child, ready)) is not None:
                 return failed
         return children.consume("")
     finally:
@@ -170,6 +180,8 @@ class _Children:
         self.ctx = multiprocessing.get_context("spawn")  # no inherited CUDA state or threads
         self.go = self.ctx.Event()
         self.procs: list[BaseProcess] = []
+        #: Child i's engine loads once turns[i] is set (`run_processes` sets them one by one).
+        self.turns: list[Event] = []
         self._stopping = stopping
         self._grace = cfg.limits.shutdown_grace_s + 60
 
@@ -177,9 +189,11 @@ class _Children:
         """Start child `index` (listed at once, so a signal reaches it); the event is set by the
         child once its engine is up."""
         ready = self.ctx.Event()
+        turn = self.ctx.Event()
+        self.turns.append(turn)
         child = self.ctx.Process(
             target=_child_main,
-            args=(child_config(self.cfg, index), ready, self.go, core),
+            args=(child_config(self.cfg, index), ready, self.go, core, turn),
             name=f"mmworker-{index}",
         )
         child.start()
@@ -221,7 +235,10 @@ class _Children:
 
     def terminate(self) -> None:
         """SIGTERM every child (they drain), then SIGKILL what is still there after the grace.
-        `go` is set first: a child still waiting for it would otherwise never get past start-up."""
+        `go` and every turn are set first: a child still waiting for one would otherwise never
+        get past start-up."""
+        for turn in self.turns:
+            turn.set()
         self.go.set()
         self.send(signal.SIGTERM)
         deadline = time.monotonic() + self._grace
@@ -242,7 +259,9 @@ def _as_exit_code(code: int | None) -> int:
     return 128 - code if code < 0 else code  # multiprocessing reports death by signal N as -N
 
 
-def _child_main(cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | None = None) -> None:
+def _child_main(
+    cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | None, turn: Event
+) -> None:
     """Entry of a spawned child: its own session, so a terminal's Ctrl-C reaches it only once
     (through the parent), and tied to the parent's life, so a killed supervisor leaves no orphan
     consumers behind (as a container runtime would kill them all)."""
@@ -253,7 +272,13 @@ def _child_main(cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | Non
     die_with_parent()
     logs.setup(cfg.log_level, tag=cfg.worker_id, fmt=cfg.logging.format)
     try:
-        code = run_worker(cfg, ready=ready.set, go=go.wait, core=core)
+        code = run_worker(
+            cfg,
+            ready=ready.set,
+            go=go.wait,
+            core=core,
+            turn=turn.wait if core is None else None,  # a shared core is up already
+        )
     except Interrupted:
         code = ExitCode.OK
     exit_now(code)

@@ -25,14 +25,10 @@ fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
 fi
-# schemas/ and preprocess/ import as mmworker_schemas / mmworker_preprocess only once installed
-# (pyproject's package-dir): an editable install, offline (setuptools rides in .whl/ if the host
-# has none).
-if ! python3 -c "import mmworker_schemas" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e .
-fi
+# schemas/ and preprocess/ are distribution roots, their packages one folder down
+# (mmworker_schemas, mmworker_preprocess): on the path as they are, no install needed.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess${PYTHONPATH:+:$PYTHONPATH}
 model=/tmp/qwen2.5-vl-3b-dummy
 [[ -f $model/config.json ]] || python3 -m mmworker tiny-model "$model" --arch 3b
 # SETUP_ONLY=1: install and write the model config, run nothing (bench/gpu/session.sh probe).

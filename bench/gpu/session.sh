@@ -18,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export STAGE=${STAGE:-/tmp/stage} VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess
 res=${RES:-/tmp/s10}
 mkdir -p "$res" "${OUT:-bench/out}"
 model=/tmp/qwen2.5-vl-3b-dummy

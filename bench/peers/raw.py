@@ -35,11 +35,17 @@ def engine_kwargs(cfg: Any, model_path: str, share: int = 1) -> dict[str, Any]:
     way the worker's `processes` do, everything else (the CPU KV budget included) unchanged.
     Plain vLLM: the worker's own model class for raw pixels (`engine.pixels_on_engine`) is not
     something a user of vLLM alone has, so the peers run vLLM's processor path."""
+    from mmworker import fast_defaults, hardware
     from mmworker.engine import Engine
 
     update: dict[str, Any] = {"pixels_on_engine": False}
     if share > 1:
-        update["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization / share
+        update["gpu_memory_utilization"] = fast_defaults.engine_memory_share(
+            hardware.probe(),
+            cfg.engine.gpu_memory_utilization,
+            share,
+            user_set="gpu_memory_utilization" in cfg.engine.model_fields_set,
+        ).value
     return Engine(cfg.engine.model_copy(update=update), model_path).engine_kwargs()
 
 

@@ -72,6 +72,23 @@ def test_the_processes_the_hardware_chose_split_the_host_like_set_ones(
     assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
 
 
+def test_on_an_h100_the_default_fraction_leaves_room_beside_each_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mmworker import hardware
+    from mmworker.hardware import Hardware
+
+    h100 = Hardware(
+        gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=81559 * 1024**2, gpus=1, cores=16
+    )
+    monkeypatch.setattr(hardware, "probe", lambda: h100)
+    cfg = load_config()
+    assert cfg.processes == 2
+    assert child_config(cfg, 0).engine.gpu_memory_utilization == pytest.approx(0.4247, abs=1e-3)
+    set_by_user = load_config(engine={"gpu_memory_utilization": 0.9})
+    assert child_config(set_by_user, 0).engine.gpu_memory_utilization == pytest.approx(0.45)
+
+
 def _children(*exits: int | None, stopping: bool = False) -> _Children:
     """Started stand-ins for worker processes: one that exits at once with each given code, or
     sleeps (None) until a signal ends it."""
