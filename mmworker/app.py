@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmworker_preprocess.prepare import warm_up
 
-from mmworker import health, heap_trim, lifeline, logs
+from mmworker import hardware, health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
@@ -122,6 +122,8 @@ def run_worker(
     logs.quiet_libraries(
         cfg.log_level, cfg.logging.format
     )  # before vLLM starts: its processes read it at start
+    if not hardware.probe().gpu:  # the GPU front end keeps its heap on purpose (engine.frontend)
+        heap_trim.limit_arenas(heap_trim.WORKER_ARENAS)  # before the worker's threads start
     return asyncio.run(_serve(cfg, create_topics, ready, go, core, turn))
 
 

@@ -155,3 +155,46 @@ def test_an_engine_process_of_an_armed_worker_trims() -> None:
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected
+
+
+_COUNT_ARENAS = """
+import ctypes, sys, threading
+from mmworker import heap_trim
+if sys.argv[1] == "limit":
+    assert heap_trim.limit_arenas(2)
+barrier = threading.Barrier(9)
+kept = []
+def allocate():
+    kept.append([bytearray(4096) for _ in range(64)])  # above pymalloc's 512 B: malloc's
+    barrier.wait()
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for t in threads:
+    t.start()
+barrier.wait()
+ctypes.CDLL(None).malloc_stats()  # one 'Arena N:' block per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(heap_trim._malloc_trim_fn() is None, reason="glibc only")
+@pytest.mark.parametrize(("how", "most"), [("limit", 2), ("none", None)])
+def test_limit_arenas_caps_the_arenas_threads_get(how: str, most: int | None) -> None:
+    """Eight threads holding memory get an arena each unless capped; capped, they share two."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_ARENAS, how],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    arenas = done.stderr.count("Arena ")
+    if most is None:
+        assert arenas >= 5, done.stderr
+    else:
+        assert 1 <= arenas <= most, done.stderr
+
+
+def test_a_users_malloc_arena_max_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert heap_trim.limit_arenas(2) is False
