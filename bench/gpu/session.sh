@@ -5,6 +5,7 @@
 #   bash bench/gpu/session.sh probe                                  # front-end CPU per request
 #   bash bench/gpu/session.sh peers NAME [--set K=V ...]            # raw ×1, raw ×2 engines, naive
 #   bash bench/gpu/session.sh worker NAME PEERS PASSES [--set K=V ...] [--processes N]
+#   bash bench/gpu/session.sh compare NAME [--set K=V ...]         # all of it: bench/compare.py
 #
 # A worker row must get exactly the --set flags its PEERS file ran with (bench/e2e.py's peers take
 # the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
@@ -80,6 +81,17 @@ worker)
     "${R[@]}" --skip-raw --skip-naive --peers-from "$res/peers-$peers.json" \
         --passes "$passes" "$@" --out "$res/worker-$name.json" 2>&1 | tail -30
     ok "$res/worker-$name.json"
+    ;;
+compare)  # peers, worker cold ×2, warm, peers; call again to go on (--resume keeps what is done)
+    name=${1:?name}
+    shift
+    SETUP_ONLY=1 bash bench/gpu/run.sh
+    sample_gpu "$res/smi-compare-$name-$(date +%H%M%S).csv"  # one per call
+    python3 bench/compare.py --name "compare-$name" --out-dir "$res" --config "$model/config.json" \
+        --resume --model "$model" --load-format dummy --max-tokens 64 --max-model-len 8192 \
+        --no-profile --images 1000 --videos 100 --work-dir /tmp/e2e --raw-repeats 1 \
+        --naive-images 40 --naive-videos 4 "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
+    ok "$res/compare-$name.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
