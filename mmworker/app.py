@@ -15,7 +15,7 @@ from mmworker import hardware, health, heap_trim, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
-from mmworker.engine import Engine, preload, resolve_model
+from mmworker.engine import Engine, frontend, preload, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import check_interrupted
 from mmworker.jobs import JobRunner
@@ -122,7 +122,7 @@ def run_worker(
     logs.quiet_libraries(
         cfg.log_level, cfg.logging.format
     )  # before vLLM starts: its processes read it at start
-    if not hardware.probe().gpu:  # the GPU front end keeps its heap on purpose (engine.frontend)
+    if not frontend.keeps_heap(cfg.engine.frontend_keep_heap, gpu=hardware.probe().gpu):
         heap_trim.limit_arenas(heap_trim.WORKER_ARENAS)  # before the worker's threads start
     return asyncio.run(_serve(cfg, create_topics, ready, go, core, turn))
 

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,23 @@ def malloc_trim() -> bool:
 
 
 def _malloc_trim_fn() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    fn = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    return _libc_fn("malloc_trim", [ctypes.c_size_t])
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc's `mallopt(param, value)` (parameters from malloc.h); False where the C library
+    has none or refuses the value."""
+    fn = _libc_fn("mallopt", [ctypes.c_int, ctypes.c_int])
+    return fn is not None and bool(fn(param, value))
+
+
+def _libc_fn(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """A function of this process's C library that returns an int; None where it has none."""
+    lib = ctypes.util.find_library("c")
+    fn = getattr(ctypes.CDLL(lib), name, None) if lib is not None else None
     if fn is None:
         return None
-    fn.argtypes = [ctypes.c_size_t]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
 
@@ -77,13 +88,7 @@ def limit_arenas(arenas: int) -> bool:
     then, or where the C library is not glibc."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, arenas))
+    return mallopt(_M_ARENA_MAX, arenas)
 
 
 def hold() -> None:

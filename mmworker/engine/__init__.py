@@ -136,9 +136,7 @@ class Engine:
 
     def _start(self) -> None:
         engine_process_env()
-        if self._cfg.frontend_keep_heap or (
-            self._cfg.frontend_keep_heap is None and not _cpu_only()
-        ):
+        if frontend.keeps_heap(self._cfg.frontend_keep_heap, gpu=not _cpu_only()):
             frontend.keep_heap()
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs

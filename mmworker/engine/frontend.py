@@ -16,8 +16,6 @@ before the engine core sees it. Two costs of that thread are set by the process,
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -35,21 +33,19 @@ _M_MMAP_MAX = -4
 TRIM_THRESHOLD = 1 << 30
 
 
+def keeps_heap(setting: bool | None, gpu: bool) -> bool:
+    """Whether the front end keeps its freed memory (`engine.frontend_keep_heap`; unset: on a
+    GPU host). One answer for both sides of it: `keep_heap` at engine start, and the arena cap
+    the worker process takes at its own start when it does not (`heap_trim.limit_arenas`)."""
+    return setting if setting is not None else gpu
+
+
 def keep_heap() -> bool:
     """Turn mmap off for malloc and raise the trim threshold in this process, now: mallopt acts
     on later allocations, so calling it before the engine starts is enough (the environment
     variables MALLOC_MMAP_MAX_/MALLOC_TRIM_THRESHOLD_ would need a re-exec). False where the C
     library is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    ok = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    ok = heap_trim.mallopt(_M_MMAP_MAX, 0) and heap_trim.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     if ok:
         heap_trim.hold()  # a periodic malloc_trim would undo this
         log.info("front end: malloc keeps freed memory (mmap off, trim above %d MiB)",
