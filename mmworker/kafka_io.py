@@ -40,7 +40,7 @@ _ASSIGNORS = {
 
 
 def make_consumer(cfg: KafkaConfig) -> KafkaConsumer:
-    return KafkaConsumer(
+    consumer = KafkaConsumer(
         group_id=cfg.group_id,
         enable_auto_commit=False,
         # 'earliest': a new group starts from the beginning, so no job posted before the first
@@ -57,6 +57,43 @@ def make_consumer(cfg: KafkaConfig) -> KafkaConsumer:
         partition_assignment_strategy=[_ASSIGNORS[name] for name in cfg.assignors],
         **cfg.client_kwargs(),
     )
+    keep_finished_joins(consumer)
+    return consumer
+
+
+def keep_finished_joins(consumer: KafkaConsumer) -> None:
+    """Take the result of a group join that finished while no poll() was waiting for it.
+
+    kafka-python 3.0.12 runs JoinGroup+SyncGroup as a task that a poll() awaits for at most
+    its own timeout; when the round ends between two polls, the next poll sees the task done
+    and sends a new JoinGroup instead of taking its assignment (coordinator/base.py:
+    `if self._join_task is None or self._join_task.is_done`). A JoinGroup waits for every
+    member (seconds), a poll here lasts 200 ms and work runs between polls, so a member could
+    rejoin over and over: 11 JoinGroups in 15 s in a failing run, and a stop's final commit
+    that never landed. This completes the finished round the way the library does after a
+    round it awaited, then lets the library go on (a cooperative follow-up round, if any).
+    Private API, hence here, next to the other uses of it."""
+    from kafka.structs import MemberState
+
+    coordinator = consumer._coordinator
+    join_group = coordinator.join_group_async
+
+    async def join_group_async(timeout_ms: int | None = None) -> bool:
+        task = coordinator._join_task
+        if task is not None and task.is_done and task.succeeded():
+            coordinator._join_task = None
+            with coordinator._lock:
+                coordinator.rejoining = False
+                coordinator.rejoin_needed = False
+                coordinator.state = MemberState.STABLE
+                coordinator._enable_heartbeat()
+            generation = coordinator._generation
+            await coordinator._on_join_complete_async(
+                generation.generation_id, generation.member_id, generation.protocol, task.value
+            )
+        return bool(await join_group(timeout_ms=timeout_ms))
+
+    coordinator.join_group_async = join_group_async
 
 
 def make_producer(cfg: KafkaConfig) -> KafkaProducer:
