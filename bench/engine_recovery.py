@@ -145,6 +145,18 @@ def process_tree(root: int) -> list[ProcInfo]:
     return out
 
 
+def gpu_pids() -> set[int]:
+    """Processes with a CUDA context, from nvidia-smi (empty where there is none)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {int(x) for x in out.split() if x.isdigit()}
+
+
 class NoEngineCore(RuntimeError):
     """No process of the worker's tree looks like vLLM's engine core: the kill would measure
     nothing, so the run stops and shows the tree."""
@@ -154,6 +166,9 @@ def kill_engine_core(worker_pid: int) -> tuple[ProcInfo, int]:
     """SIGKILL one engine core of the worker; (that process, how many cores there were)."""
     procs = process_tree(worker_pid)
     cores = engine_cores(procs, worker_pid)
+    if not cores:  # no setproctitle (a bare GPU host): the child that holds the GPU is the core
+        on_gpu = gpu_pids()
+        cores = sorted(p.pid for p in procs if p.pid in on_gpu)
     if not cores:
         listing = "\n".join(f"  {p.pid} (parent {p.ppid}): {p.title[:120]}" for p in procs)
         raise NoEngineCore(f"no engine-core process under worker {worker_pid}:\n{listing}")

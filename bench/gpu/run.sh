@@ -28,7 +28,23 @@ fi
 # schemas/ and preprocess/ are distribution roots, their packages one folder down
 # (mmworker_schemas, mmworker_preprocess): on the path as they are, no install needed.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess${PYTHONPATH:+:$PYTHONPATH}
+# vLLM's own INFO lines in the worker's log too (the worker quiets them by default, and then
+# its engine start-up is one opaque number: 35 s against a plain engine's 15 s in session 23)
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+# vLLM finds the project's plugins (its model class for raw pixels, the engine lifeline) by
+# entry point, in every process it spawns; with no install, a dist-info on the path names them
+# (without it the worker's engine refuses the architecture, as in session 23's first try).
+plugins=/tmp/mmworker-plugins
+python3 - "$plugins" <<'PY'
+import pathlib, sys, tomllib
+groups = tomllib.load(open("pyproject.toml", "rb"))["project"]["entry-points"]
+info = pathlib.Path(sys.argv[1]) / "mmworker_plugins-0.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: mmworker-plugins\nVersion: 0\n")
+(info / "entry_points.txt").write_text("".join(
+    f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for g, eps in groups.items()))
+PY
+export PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess:$plugins${PYTHONPATH:+:$PYTHONPATH}
 model=/tmp/qwen2.5-vl-3b-dummy
 [[ -f $model/config.json ]] || python3 -m mmworker tiny-model "$model" --arch 3b
 # SETUP_ONLY=1: install and write the model config, run nothing (bench/gpu/session.sh probe).

@@ -19,7 +19,12 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export STAGE=${STAGE:-/tmp/stage} VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess
+export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+# vLLM's own INFO lines in the worker's log too (the worker quiets them by default, and then
+# its engine start-up is one opaque number: 35 s against a plain engine's 15 s in session 23)
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+# /tmp/mmworker-plugins: the entry-point dist-info bench/gpu/run.sh writes (its comment says why)
+export PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess:/tmp/mmworker-plugins
 res=${RES:-/tmp/s10}
 mkdir -p "$res" "${OUT:-bench/out}"
 model=/tmp/qwen2.5-vl-3b-dummy
