@@ -888,7 +888,8 @@ def _pump(
             break
         collector.poll(poster.journal, tally, timeout_ms=200)
         connected = collector.connected()
-        if link.observe(posted and connected, poster.failure or "no connection"):
+        why = poster.failure or "no connection"
+        if link.observe(posted and connected, why, poster.failing_since):
             stale |= state.posted.keys()  # a broker that restarted empty lost them
         _show(bar, tally, state)
     _show(bar, tally, state)
@@ -938,6 +939,8 @@ class Poster:
         self._producer: Any = None
         self._delivered = False  # once the topic took a batch, a failure is a lost broker
         self._refusals = 0  # failures in a row that no lost connection explains
+        #: time.monotonic() when the first of the failed posts in a row began (None: no failure)
+        self.failing_since: float | None = None
 
     def post(self, batch: list[tuple[str, bytes, str | None]]) -> bool:
         """Send what is pending and `batch`, wait for the broker's acknowledgement, then
@@ -949,9 +952,12 @@ class Poster:
         if not self.pending:
             return True
         now = time.time()
+        began = time.monotonic()
         try:
             self._send(self.pending)
         except KafkaError as exc:
+            if self.failing_since is None:
+                self.failing_since = began
             transient = _transient(exc)
             self._refusals = 0 if transient else self._refusals + 1
             if not self._delivered or self._refusals > REFUSALS:
@@ -969,6 +975,7 @@ class Poster:
         self._delivered = True
         self._refusals = 0
         self.failure = ""
+        self.failing_since = None
         self.journal.write(
             {"t": "posted", "id": job_id, "at": now, "fp": fp, "job": value.decode()}
             for job_id, value, fp in self.pending
@@ -1037,9 +1044,12 @@ class BrokerLink:
         self.reported = False
         self.outages = 0
 
-    def observe(self, up: bool, why: str) -> bool:
+    def observe(self, up: bool, why: str, since: float | None = None) -> bool:
         """Note whether the brokers answer now (`why` they do not); True once, when they are
-        back after a loss that was reported."""
+        back after a loss that was reported. `since`: when (on this clock) the attempt that
+        failed began. A post to a lost broker blocks for up to its flush timeout (30 s) before
+        it fails, so the loss counts from the attempt's start, not from when it gave up: else
+        two blocked posts pass before the line comes (a minute of silence)."""
         now = self._clock()
         if up:
             since, self._down_since = self._down_since, None
@@ -1054,7 +1064,7 @@ class BrokerLink:
             )  # fmt: skip
             return True
         if self._down_since is None:
-            self._down_since = now
+            self._down_since = now if since is None else min(since, now)
         if not self.reported and now - self._down_since >= self._after_s:
             self.reported = True
             self.outages += 1

@@ -72,15 +72,30 @@ def keep_finished_joins(consumer: KafkaConsumer) -> None:
     rejoin over and over: 11 JoinGroups in 15 s in a failing run, and a stop's final commit
     that never landed. This completes the finished round the way the library does after a
     round it awaited, then lets the library go on (a cooperative follow-up round, if any).
+    Only a round nothing has overtaken: the member still rebalancing in the generation the
+    round gave it, the coordinator still known. After a reset (the broker forgot the member,
+    the coordinator went away) the library's own fresh join is right, and is left to run.
     Private API, hence here, next to the other uses of it."""
     from kafka.structs import MemberState
 
     coordinator = consumer._coordinator
     join_group = coordinator.join_group_async
 
-    async def join_group_async(timeout_ms: int | None = None) -> bool:
+    def finished_round() -> Any:
         task = coordinator._join_task
-        if task is not None and task.is_done and task.succeeded():
+        if task is None or not task.is_done or not task.succeeded():
+            return None
+        with coordinator._lock:
+            current = (
+                coordinator.state is MemberState.REBALANCING
+                and not coordinator._generation.is_lost()
+                and coordinator.coordinator_id is not None
+            )
+        return task if current else None
+
+    async def join_group_async(timeout_ms: int | None = None) -> bool:
+        task = finished_round()
+        if task is not None:
             coordinator._join_task = None
             with coordinator._lock:
                 coordinator.rejoining = False

@@ -424,6 +424,22 @@ def test_a_lost_broker_is_one_line_each_way(capsys: pytest.CaptureFixture[str]) 
     assert link.outages == 1
 
 
+def test_a_loss_counts_from_the_start_of_the_post_that_blocked_on_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A post to a broker that just went away blocks for its flush timeout (30 s) before it
+    fails: the line comes at that first failure, not after a second blocked post (a CI run
+    waited over 60 s for it)."""
+    now = [100.0]
+    link = BrokerLink("kafka.bootstrap_servers=k:9092", after_s=3.0, clock=lambda: now[0])
+    now[0] = 130.0  # the post began at 100 and gave up at 130
+    assert link.observe(False, "KafkaTimeoutError while posting", since=100.0) is False
+    assert "lost the brokers" in capsys.readouterr().err
+    now[0] = 131.0
+    assert link.observe(True, "") is True
+    assert "back after 31s" in capsys.readouterr().err
+
+
 def test_an_output_from_before_fingerprints_is_kept_by_job_id(tmp_path: Path) -> None:
     """An output written by an earlier release has no fingerprint column: its answers stand for
     their job ids, so a finished backfill is not asked again after an upgrade."""
