@@ -889,7 +889,7 @@ def _pump(
         collector.poll(poster.journal, tally, timeout_ms=200)
         connected = collector.connected()
         why = poster.failure or "no connection"
-        if link.observe(posted and connected, why, poster.failing_since):
+        if link.observe(posted and connected, why, since=poster.failing_since):
             stale |= state.posted.keys()  # a broker that restarted empty lost them
         _show(bar, tally, state)
     _show(bar, tally, state)

@@ -23,7 +23,7 @@ from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssi
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
 from kafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError
-from kafka.structs import OffsetAndMetadata
+from kafka.structs import MemberState, OffsetAndMetadata
 from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig
@@ -76,8 +76,6 @@ def keep_finished_joins(consumer: KafkaConsumer) -> None:
     round gave it, the coordinator still known. After a reset (the broker forgot the member,
     the coordinator went away) the library's own fresh join is right, and is left to run.
     Private API, hence here, next to the other uses of it."""
-    from kafka.structs import MemberState
-
     coordinator = consumer._coordinator
     join_group = coordinator.join_group_async
 
