@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmworker_preprocess.prepare import warm_up
 
-from mmworker import hardware, health, heap_trim, lifeline, logs
+from mmworker import hardware, health, heap_trim, kv_sizes, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
@@ -104,19 +104,65 @@ def model_cache_dir() -> Path:
     return cache_home() / "mmworker" / "models"
 
 
+def make_engine(cfg: WorkerConfig, core: CoreLink | None = None) -> Engine:
+    """The worker's engine as `cfg` asks for it; `mmworker.processes` builds the same one to
+    know its arguments before the children load it."""
+    return Engine(
+        cfg.engine,
+        resolve_model(cfg.engine.model, model_cache_dir()),
+        encoder_store=encoder_store_dir(cfg),
+        core=core,
+        # A progress bar is a terminal's; in a JSON log it is a line no parser can read.
+        progress_bars=cfg.logging.format == "text",
+        lanes=cfg.kafka.backfill_topic is not None,
+    )
+
+
+def kv_size_key(cfg: WorkerConfig, engine: Engine) -> str | None:
+    """Key of the engine's KV cache size in the book (`mmworker.kv_sizes`); None where no
+    size is kept: CPU hosts (a fixed budget, nothing profiled) or the cache turned off."""
+    hw = hardware.probe()
+    if not hw.gpu or not cfg.cache.enabled:
+        return None
+    return kv_sizes.size_key(engine.engine_kwargs(), hw)
+
+
+def keep_kv_size(cfg: WorkerConfig, engine: Engine, planned: int) -> None:
+    """After a start: keep the size a profiled start found, or check that a start given the
+    kept size (`planned` bytes) got the same blocks, forgetting it if not."""
+    key = kv_size_key(cfg, engine)
+    size = engine.kv_size()
+    if key is None or size is None:
+        return
+    book = kv_sizes.book_for(cfg.cache.directory)
+    if not planned:
+        if cfg.engine.kv_cache_memory_bytes is None:
+            book.put(key, size)
+        return
+    known = book.get(key)
+    if known is not None and known.blocks != size.blocks:
+        log.warning(
+            "engine got %d KV blocks from the kept size, %d when it was measured: forgetting "
+            "the size, the next start profiles",
+            size.blocks, known.blocks,
+        )  # fmt: skip
+        book.forget(key)
+
+
 def run_worker(
     cfg: WorkerConfig,
     create_topics: int | None = None,
     ready: Callable[[], object] | None = None,
     go: Callable[[], object] | None = None,
     core: CoreLink | None = None,
-    turn: Callable[[], object] | None = None,
+    turn: Callable[[], int] | None = None,
 ) -> int:
     """Start everything, consume until stopped, tear down; returns the process exit code.
 
     `turn` (blocking) is called before the engine loads, `ready` once it is up and `go`
     (blocking) before the first poll: the hooks `mmworker.processes` uses to start several
-    processes at once, load their engines one at a time and then consume.
+    processes at once, load their engines one at a time (or together, `turn` then returning
+    the KV cache bytes each is given) and then consume.
     `core`: attach to the supervisor's shared engine core instead of starting an engine.
     """
     logs.quiet_libraries(
@@ -133,7 +179,7 @@ async def _serve(
     ready: Callable[[], object] | None,
     go: Callable[[], object] | None,
     core: CoreLink | None = None,
-    turn: Callable[[], object] | None = None,
+    turn: Callable[[], int] | None = None,
 ) -> int:
     # The engine is built inside the running loop: AsyncLLM binds its output handler to it.
     metrics = Metrics()
@@ -183,24 +229,24 @@ async def _serve(
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
         heap_trim.start()  # freed heap memory goes back to the system (soak: flat memory)
+        planned = 0
         if turn is not None:
             preload()  # in the main thread: an import may install signal handlers
-            phases.begin("waiting for the engine of the process before this one")
-            await asyncio.to_thread(turn)
+            phases.begin("waiting for the turn to load the engine")
+            planned = await asyncio.to_thread(turn)
             check_interrupted()
-            phases.begin("loading the model now that the engine before it is up")
-        engine = Engine(
-            cfg.engine,
-            resolve_model(cfg.engine.model, model_cache_dir()),
-            encoder_store=store,
-            core=core,
-            # A progress bar is a terminal's; in a JSON log it is a line no parser can read.
-            progress_bars=cfg.logging.format == "text",
-            lanes=cfg.kafka.backfill_topic is not None,
-        )
+            if planned:
+                engine_cfg = cfg.engine.model_copy(update={"kv_cache_memory_bytes": planned})
+                cfg = cfg.model_copy(update={"engine": engine_cfg})
+                phases.begin(f"loading the model beside the others ({planned / 2**30:.2f} GiB KV)")
+            else:
+                phases.begin("loading the model now that the engine before it is up")
+        engine = make_engine(cfg, core)
         check_interrupted()
         engine.start()
         check_interrupted()
+        if turn is not None:
+            keep_kv_size(cfg, engine, planned)
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         metrics.watch_engine(engine.state)
         probes.engine = health.EngineProbe(alive=engine.alive, progress=engine.progress)

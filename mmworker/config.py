@@ -233,6 +233,14 @@ class EngineConfig(_Section):
         description="Explicit KV cache size; unset on a CPU-only host means 512 MiB (vLLM would "
         "otherwise claim a fraction of host RAM)",
     )
+    start_together: bool = Field(
+        False,
+        description="With processes > 1 on a GPU: the engines load at once, each given the KV "
+        "cache size that its first, profiled start found (kept in engine-sizes/ beside "
+        "cache.directory); off, or until that size is known, they load one after another. Off "
+        "by default: on an H100 two engines loaded together took 66.5 s each, about what two "
+        "in turn take (docs/operations.md)",
+    )
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0)")
     mm_processor_cache_gb: float | None = Field(

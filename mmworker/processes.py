@@ -5,10 +5,11 @@ one Python thread, and on a fast GPU that thread, not the GPU, bounds images/s (
 in bench/results/profile-h200-images.txt). Kafka's consumer group already spreads partitions over
 members, so N processes need no coordination of their own beyond three rules:
 
-- engines load one after another: vLLM sizes its KV cache from the GPU memory it sees change
-  while it profiles, which a neighbour loading at the same moment would skew (the processes
-  themselves start together, so each one's imports and preprocessing pool overlap the load of
-  the engine before it);
+- engines load one after another the first time: vLLM sizes its KV cache from the GPU memory it
+  sees change while it profiles, which a neighbour loading at the same moment would skew (the
+  processes themselves start together, so each one's imports and preprocessing pool overlap the
+  load of the engine before it). Each keeps the size it found (`mmworker.kv_sizes`); once every
+  engine's size is known, later starts give it to them and they load together;
 - nobody consumes before every engine is up, so the group rebalances once, not N times;
 - the first child that fails takes the others down (SIGTERM: they drain and commit), so the
   supervisor above (Kubernetes, systemd) restarts the whole set rather than a silently smaller one.
@@ -30,7 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from mmworker import fast_defaults, hardware, health, lifeline, logs
+from mmworker import fast_defaults, hardware, health, kv_sizes, lifeline, logs
 from mmworker.config import WorkerConfig
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
@@ -99,19 +100,57 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
     try:
         if cfg.engine.shared_core:
             return _run_shared(children)
-        # All start at once (imports, preprocessing pool); the engines load one after another,
-        # since vLLM sizes its KV cache from the memory it sees free.
+        # All start at once (imports, preprocessing pool); the engines load together if their
+        # KV cache size is known, else one after another, since vLLM then sizes it from the
+        # memory it sees free.
         started = [children.spawn(index) for index in range(cfg.processes)]
-        for turn, (child, ready) in zip(children.turns, started, strict=True):
+        known = together_size(cfg)  # while the children import
+        if known is None:
+            for turn, (child, ready) in zip(children.turns, started, strict=True):
+                turn.set()
+                if (failed := children.start_failed(child, ready)) is not None:
+                    return failed
+            return children.consume("")
+        key, size = known
+        log.info(
+            "engines load together, %.2f GiB of KV cache each (%d blocks, as their first start "
+            "measured)", size.bytes / 2**30, size.blocks,
+        )  # fmt: skip
+        children.planned.value = size.bytes
+        for turn in children.turns:
             turn.set()
+        for child, ready in started:
             if (failed := children.start_failed(child, ready)) is not None:
+                kv_sizes.book_for(cfg.cache.directory).forget(key)  # next time: one by one
                 return failed
-        return children.consume("")
+        return children.consume(", engines loaded together")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if server is not None:
             server.shutdown()
+
+
+def together_size(cfg: WorkerConfig) -> tuple[str, kv_sizes.KvSize] | None:
+    """The key and KV cache size the children's engines can load together with, or None: one
+    after another (one process, a shared core, a CPU host, the switch off, a size the user set,
+    or none kept yet)."""
+    engine = cfg.engine
+    if (
+        cfg.processes < 2
+        or engine.shared_core
+        or not engine.start_together
+        or engine.kv_cache_memory_bytes is not None
+    ):
+        return None
+    from mmworker.app import kv_size_key, make_engine
+
+    first = child_config(cfg, 0)
+    key = kv_size_key(first, make_engine(first))
+    if key is None:
+        return None
+    size = kv_sizes.book_for(cfg.cache.directory).get(key)
+    return None if size is None else (key, size)
 
 
 def _serve_health(cfg: WorkerConfig) -> tuple[health.Processes | None, Any]:
@@ -180,8 +219,10 @@ class _Children:
         self.ctx = multiprocessing.get_context("spawn")  # no inherited CUDA state or threads
         self.go = self.ctx.Event()
         self.procs: list[BaseProcess] = []
-        #: Child i's engine loads once turns[i] is set (`run_processes` sets them one by one).
+        #: Child i's engine loads once turns[i] is set (`run_processes` sets them one by one, or
+        #: all at once when `planned` holds the KV cache bytes each engine is given).
         self.turns: list[Event] = []
+        self.planned: Any = self.ctx.Value("q", 0)
         self._stopping = stopping
         self._grace = cfg.limits.shutdown_grace_s + 60
 
@@ -193,7 +234,7 @@ class _Children:
         self.turns.append(turn)
         child = self.ctx.Process(
             target=_child_main,
-            args=(child_config(self.cfg, index), ready, self.go, core, turn),
+            args=(child_config(self.cfg, index), ready, self.go, core, turn, self.planned),
             name=f"mmworker-{index}",
         )
         child.start()
@@ -260,7 +301,7 @@ def _as_exit_code(code: int | None) -> int:
 
 
 def _child_main(
-    cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | None, turn: Event
+    cfg: WorkerConfig, ready: Event, go: Event, core: CoreLink | None, turn: Event, planned: Any
 ) -> None:
     """Entry of a spawned child: its own session, so a terminal's Ctrl-C reaches it only once
     (through the parent), and tied to the parent's life, so a killed supervisor leaves no orphan
@@ -271,13 +312,19 @@ def _child_main(
     os.setsid()
     die_with_parent()
     logs.setup(cfg.log_level, tag=cfg.worker_id, fmt=cfg.logging.format)
+
+    def my_turn() -> int:
+        """Wait to load the engine; the KV cache bytes it is given (0: it profiles)."""
+        turn.wait()
+        return int(planned.value)
+
     try:
         code = run_worker(
             cfg,
             ready=ready.set,
             go=go.wait,
             core=core,
-            turn=turn.wait if core is None else None,  # a shared core is up already
+            turn=my_turn if core is None else None,  # a shared core is up already
         )
     except Interrupted:
         code = ExitCode.OK

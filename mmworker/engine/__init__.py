@@ -29,6 +29,7 @@ from mmworker.engine import frontend, pixels, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
+from mmworker.kv_sizes import KvSize
 from mmworker.metrics import EngineState
 
 log = logging.getLogger(__name__)
@@ -381,10 +382,56 @@ class Engine:
         from idle to busy): what /livez calls a stall."""
         return self._active, self._last_progress
 
+    def kv_size(self) -> KvSize | None:
+        """The KV cache this engine found room for, as the `kv_cache_memory_bytes` that gives
+        it again without profiling (`mmworker.kv_sizes`); None on CPU or before start."""
+        if self._llm is None or _cpu_only():
+            return None
+        return kv_size_of(getattr(self._llm, "vllm_config", None))
+
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def kv_size_of(config: Any) -> KvSize | None:
+    """vLLM's own arithmetic backwards: it gives each layer `bytes // page // layers` blocks
+    (after carving out the multimodal IPC reserve), a page being K and V of `block_size` tokens.
+    None where one page size does not describe every layer (hybrid or sliding-window models,
+    other KV dtypes) or the cache is split over several GPUs: those keep profiling."""
+    try:
+        cache, model, parallel = config.cache_config, config.model_config, config.parallel_config
+        blocks = int(cache.num_gpu_blocks or 0)
+        single = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+        text = model.hf_text_config
+        windowed = getattr(text, "use_sliding_window", False) and getattr(
+            text, "sliding_window", None
+        )
+        if (
+            blocks <= 0
+            or not single
+            or windowed
+            or getattr(model, "is_hybrid", False)
+            or getattr(model, "is_attention_free", False)
+            or getattr(model, "use_mla", False)
+        ):
+            return None
+        dtype = str(cache.cache_dtype)
+        if dtype == "auto":
+            itemsize = int(model.dtype.itemsize)
+        elif dtype.startswith("fp8"):
+            itemsize = 1
+        else:
+            return None
+        page = 2 * int(cache.block_size) * model.get_num_kv_heads(parallel) * model.get_head_size()
+        layers = int(model.get_num_layers(parallel))
+        reserve_gb = getattr(getattr(model, "multimodal_config", None), "mm_ipc_gpu_memory_gb", 0)
+        reserve = int(float(reserve_gb or 0) * 1024**3)
+    except (AttributeError, TypeError, ValueError) as e:
+        log.info("KV cache size not kept (%s): the next start profiles", e)
+        return None
+    return KvSize(blocks=blocks, bytes=blocks * page * itemsize * layers + reserve)
 
 
 def _reap(procs: list[psutil.Process], timeout_s: float) -> None:
