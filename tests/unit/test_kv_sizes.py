@@ -122,7 +122,7 @@ def test_engines_load_one_by_one_until_a_size_is_known(
     cfg = load_config(
         processes=2,
         cache={"directory": tmp_path / "features", "encoder_outputs": False},
-        engine={"model": "m", "pixels_on_engine": False},
+        engine={"model": "m", "pixels_on_engine": False, "start_together": True},
     )
     assert together_size(cfg) is None  # nothing measured yet
     first = cfg.model_copy(update={"processes": 1})
@@ -144,7 +144,12 @@ def test_engines_load_one_by_one_until_a_size_is_known(
     user_sized = load_config(
         processes=2,
         cache={"directory": tmp_path / "features", "encoder_outputs": False},
-        engine={"model": "m", "pixels_on_engine": False, "kv_cache_memory_bytes": 2**30},
+        engine={
+            "model": "m",
+            "pixels_on_engine": False,
+            "start_together": True,
+            "kv_cache_memory_bytes": 2**30,
+        },
     )
     assert together_size(user_sized) is None
 
@@ -192,7 +197,7 @@ def _run_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: bool = False
         processes=2,
         limits={"shutdown_grace_s": 1},
         cache={"directory": tmp_path / "features", "encoder_outputs": False},
-        engine={"model": "m", "pixels_on_engine": False},
+        engine={"model": "m", "pixels_on_engine": False, "start_together": True},
     )
     made: list[_StandIn] = []
 
