@@ -32,9 +32,41 @@ ENV = "MMWORKER_LIFELINE_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+#: `hooked`: the fork hooks are registered (once per process); `pid`: the process forking now.
+_FORK = {"hooked": 0, "pid": 0}
+
+
 def arm() -> None:
-    """Called by the worker before vLLM starts: children spawned from now on take part."""
+    """Called by the worker before vLLM starts: children spawned from now on take part, and
+    children forked from this process too (`_forked`)."""
     os.environ[ENV] = str(os.getpid())
+    if not _FORK["hooked"]:
+        os.register_at_fork(before=_before_fork, after_in_child=_forked)
+        _FORK["hooked"] = 1
+
+
+def _before_fork() -> None:
+    _FORK["pid"] = os.getpid()
+
+
+def _forked() -> None:
+    """A child forked from the armed worker (vLLM's engine core, with
+    `VLLM_WORKER_MULTIPROC_METHOD=fork`) gets the same ties as a spawned one. The plugin hook
+    cannot give them: vLLM loads plugins once per process and a forked child inherits the
+    "loaded" mark, so `install` would never run there. Only the worker's direct children: a
+    process the engine core forks in turn keeps its own parent's ties."""
+    owner, forker = os.environ.get(ENV), _FORK["pid"]
+    if not owner or int(owner) != forker:
+        return
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != forker:  # the worker died while forking
+        os._exit(1)
+    try:
+        os.setpgid(0, 0)
+    except PermissionError:
+        log.debug("forked process %d keeps its process group", os.getpid())
 
 
 def install() -> None:
