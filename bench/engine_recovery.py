@@ -146,15 +146,19 @@ def process_tree(root: int) -> list[ProcInfo]:
 
 
 def gpu_pids() -> set[int]:
-    """Processes with a CUDA context, from nvidia-smi (empty where there is none)."""
+    """Processes with a CUDA context, as the worker's engine asks NVML for them before a
+    restart (empty where there is no GPU or no NVML)."""
+    from mmworker.engine import gpu_pids as engine_gpu_pids
+
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=False,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+        import pynvml
+    except ImportError:
         return set()
-    return {int(x) for x in out.split() if x.isdigit()}
+    try:
+        return engine_gpu_pids()
+    except pynvml.NVMLError as exc:
+        print(f"no GPU process list ({exc})", file=sys.stderr)
+        return set()
 
 
 class NoEngineCore(RuntimeError):

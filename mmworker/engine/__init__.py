@@ -447,30 +447,33 @@ def _reap(procs: list[psutil.Process], timeout_s: float) -> None:
 
 def _wait_gpu_released(pids: set[int], timeout_s: float) -> None:
     """On a GPU host: wait until the driver lists none of `pids` as holding device memory (a
-    process can be reaped while the driver still frees its allocations). Asks NVML, which vLLM
-    itself depends on, so that this process does not initialise CUDA."""
+    process can be reaped while the driver still frees its allocations)."""
     if _cpu_only() or not pids:
         return
+    deadline = time.monotonic() + timeout_s
+    while holding := gpu_pids() & pids:
+        if time.monotonic() > deadline:
+            raise EngineFatal(
+                f"the dead engine's processes {sorted(holding)} still hold GPU memory "
+                f"after {timeout_s:.0f}s: not starting a new engine beside them"
+            )
+        time.sleep(0.2)
+
+
+def gpu_pids() -> set[int]:
+    """Processes holding memory on any GPU this process sees. Asks NVML, which vLLM itself
+    depends on, so that this process does not initialise CUDA (vLLM could then not fork)."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            holding = set()
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid in pids:
-                        holding.add(proc.pid)
-            if not holding:
-                return
-            if time.monotonic() > deadline:
-                raise EngineFatal(
-                    f"the dead engine's processes {sorted(holding)} still hold GPU memory "
-                    f"after {timeout_s:.0f}s: not starting a new engine beside them"
-                )
-            time.sleep(0.2)
+        return {
+            proc.pid
+            for i in range(pynvml.nvmlDeviceGetCount())
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                pynvml.nvmlDeviceGetHandleByIndex(i)
+            )
+        }
     finally:
         pynvml.nvmlShutdown()
 
