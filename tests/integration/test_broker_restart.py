@@ -54,12 +54,20 @@ class BrokerCommand:
         return self.proc.returncode, err
 
 
-def _time_wait_on(port: int) -> int:
-    return sum(
-        1
-        for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_TIME_WAIT and c.laddr and c.laddr.port == port
-    )
+def _time_wait_on(port: int, within_s: float = 10.0) -> int:
+    """Connections in TIME_WAIT on the broker's side of `port`, waiting up to `within_s` for
+    one: the broker's socket gets there only once the client has answered its FIN, which the
+    client's network thread does a moment after the broker is gone (one CI run checked first)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        found = sum(
+            1
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_TIME_WAIT and c.laddr and c.laddr.port == port
+        )
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def test_broker_command_restarts_at_once_after_a_stop_with_a_client_connected() -> None:
