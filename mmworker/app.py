@@ -245,7 +245,7 @@ async def _serve(
         check_interrupted()
         engine.start()
         check_interrupted()
-        if turn is not None:
+        if turn is not None and cfg.engine.start_together:
             keep_kv_size(cfg, engine, planned)
         metrics.engine_busy_seconds.set_function(engine.busy_seconds)
         metrics.watch_engine(engine.state)

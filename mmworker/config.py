@@ -237,7 +237,8 @@ class EngineConfig(_Section):
         False,
         description="With processes > 1 on a GPU: the engines load at once, each given the KV "
         "cache size that its first, profiled start found (kept in engine-sizes/ beside "
-        "cache.directory); off, or until that size is known, they load one after another. Off "
+        "cache.directory, only while this is on); off, or until that size is known, they load "
+        "one after another. Off "
         "by default: on an H100 two engines loaded together took 66.5 s each, about what two "
         "in turn take (docs/operations.md)",
     )
