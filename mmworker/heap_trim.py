@@ -38,7 +38,8 @@ THREAD_NAME = "heap-trim"
 _held = threading.Event()
 #: This process's trimmer, once started (`start`).
 _running: dict[str, HeapTrimmer] = {}
-_lock = threading.Lock()
+#: Guards `start` (a dict, so a forked child can replace a lock it may have inherited held).
+_guard = {"start": threading.Lock()}
 
 
 def malloc_trim() -> bool:
@@ -146,11 +147,20 @@ def period_from_env() -> float | None:
     return period if period > 0 else None
 
 
+def start_in_forked_child() -> HeapTrimmer | None:
+    """`start` in a child forked from a process that may have had a trimmer, held trimming or
+    been inside `start` on another thread: none of that state belongs to the child."""
+    _guard["start"] = threading.Lock()
+    _running.clear()
+    _held.clear()
+    return start()
+
+
 def start() -> HeapTrimmer | None:
     """Start this process's trimmer once (later calls return the same one); None where the C
-    library cannot trim or the environment turned it off. Fork-safe callers only: a child
-    forked from a process with a trimmer has no thread, and should call this again."""
-    with _lock:
+    library cannot trim or the environment turned it off. A child forked from a process with a
+    trimmer has no thread: it calls `start_in_forked_child`."""
+    with _guard["start"]:
         running = _running.get("trimmer")
         if running is not None and running.alive():
             return running

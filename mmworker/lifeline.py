@@ -67,6 +67,19 @@ def _forked() -> None:
         os.setpgid(0, 0)
     except PermissionError:
         log.debug("forked process %d keeps its process group", os.getpid())
+    _as_if_started_afresh()
+
+
+def _as_if_started_afresh() -> None:
+    """What a spawned engine core gets by starting a new interpreter, a forked one must be given:
+    torch read OMP_NUM_THREADS when the worker imported it, so the one thread the worker exports
+    for its core (`engine.core_threads`) would not reach a forked core's torch; and the heap
+    trimmer's thread, and its hold, are the worker's, not the child's."""
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    heap_trim.start_in_forked_child()
 
 
 def install() -> None:

@@ -108,6 +108,8 @@ class Engine:
         #: Engine cores started so far in this process, minus one: a request that saw a death at
         #: an older epoch is retried, not counted as a new death (`restart`).
         self.epoch = 0
+        #: Engine cores this object has started (the first one is forked, `_core_start_method`).
+        self.starts = 0
         #: The processes vLLM started for the running core, reaped before a restart.
         self._core_procs: list[psutil.Process] = []
 
@@ -136,9 +138,7 @@ class Engine:
         return time.monotonic() - t0
 
     def _start(self) -> None:
-        engine_process_env()
-        if frontend.keeps_heap(self._cfg.frontend_keep_heap, gpu=not _cpu_only()):
-            frontend.keep_heap()
+        engine_process_env(first_start=self.starts == 0)
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -165,6 +165,10 @@ class Engine:
                 restore()
         # After the core has started: both settings travel in OMP_NUM_THREADS.
         frontend.processor_threads(self._cfg.processor_threads)
+        # After it too: a forked core would inherit the front end's malloc settings.
+        if frontend.keeps_heap(self._cfg.frontend_keep_heap, gpu=not _cpu_only()):
+            frontend.keep_heap()
+        self.starts += 1
         self._raw_pixels = pixels.ARCHITECTURE in (
             self._llm.model_config.hf_config.architectures or ()
         )
@@ -514,16 +518,17 @@ def preload() -> None:
     share a GPU their engines load one at a time, and this lets the next process's ~10 s of
     imports run beside the load of the engine before it instead of after it. Same order as
     `Engine._start` (the engine-process environment first)."""
-    engine_process_env()
+    engine_process_env(first_start=True)
     from transformers import AutoTokenizer  # noqa: F401
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
 
 
-def engine_process_env() -> None:
+def engine_process_env(first_start: bool = False) -> None:
     """Environment that vLLM's engine-core processes read when they start: set in the process
     that starts them (a worker, or the supervisor of a shared core). A value set by the user
-    wins."""
+    wins. `first_start`: this process has started no engine core yet (see
+    `_core_start_method`)."""
     if _cpu_only():
         # AsyncLLM keeps its engine core in a process of its own either way; on CPU this flag
         # only stops vLLM from adding a further model-runner process whose shared-memory queue
@@ -545,8 +550,31 @@ def engine_process_env() -> None:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8")
         os.environ.setdefault("LRU_CACHE_CAPACITY", "8")
     else:
-        # Spawned, not forked: our process may hold CUDA or threads (Kafka, pools) by now.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        _core_start_method(fork=first_start)
+
+
+#: vLLM's variable for how its engine core (and GPU executor processes) start.
+START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+#: What the environment held before the worker first set the variable (`_core_start_method`):
+#: a user's own choice, kept for every start, or None.
+_USERS_START_METHOD: list[str | None] = []
+
+
+def _core_start_method(fork: bool) -> None:
+    """Fork the first engine core, spawn a replacement, unless the user chose.
+
+    Why fork first: a spawned core imports vLLM and torch again before it loads anything. On an
+    H100 (bench/engine_start.py, same machine, second round) the engine started in 6.4 s forked
+    and 22.6 s spawned; a plain `LLM(...)` forks by default. At the first start this process has
+    no CUDA context (the GPU is probed through NVML) and no broker connections yet, and the
+    fork hook in `mmworker.lifeline` gives the forked core what a spawned one gets from a fresh
+    start (its ties to the worker, its torch threads, heap trimming). A core started again after
+    a death (`Engine.restart`) is spawned: by then this process holds Kafka sockets and a few
+    dozen threads whose locks a forked child would inherit mid-use."""
+    if not _USERS_START_METHOD:
+        _USERS_START_METHOD.append(os.environ.get(START_METHOD_VAR))
+    if _USERS_START_METHOD[0] is None:
+        os.environ[START_METHOD_VAR] = "fork" if fork else "spawn"
 
 
 def core_threads_env(cfg: EngineConfig) -> Callable[[], None]:

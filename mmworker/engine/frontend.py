@@ -42,9 +42,10 @@ def keeps_heap(setting: bool | None, gpu: bool) -> bool:
 
 def keep_heap() -> bool:
     """Turn mmap off for malloc and raise the trim threshold in this process, now: mallopt acts
-    on later allocations, so calling it before the engine starts is enough (the environment
-    variables MALLOC_MMAP_MAX_/MALLOC_TRIM_THRESHOLD_ would need a re-exec). False where the C
-    library is not glibc."""
+    on later allocations, so calling it once the engine has started covers the per-request
+    churn, and a core forked at that start keeps glibc's defaults (the environment variables
+    MALLOC_MMAP_MAX_/MALLOC_TRIM_THRESHOLD_ would need a re-exec). False where the C library is
+    not glibc."""
     ok = heap_trim.mallopt(_M_MMAP_MAX, 0) and heap_trim.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     if ok:
         heap_trim.hold()  # a periodic malloc_trim would undo this

@@ -1,7 +1,8 @@
 """An engine core forked from the worker (`VLLM_WORKER_MULTIPROC_METHOD=fork`, ~16 s faster to
 start on a GPU than a spawned one) must get the ties a spawned one gets from the plugin hook:
 its own process group and death with the worker. vLLM loads plugins once per process and a
-forked child inherits the mark, so the hook alone would leave it an orphan-to-be."""
+forked child inherits the mark, so the hook alone would leave it an orphan-to-be. It must also
+start as a spawned core would: torch on the threads exported for it, a heap trimmer of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 SCRIPT = """
 import ctypes, multiprocessing, os, sys
-from mmworker import lifeline
+from mmworker import heap_trim, lifeline
 
 def ties():
     sig = ctypes.c_int(0)
@@ -23,28 +24,41 @@ def grandchild(q):
 
 def child(q):
     q.put(("child", ties()))
+    q.put(("afresh", afresh()))
     p = multiprocessing.get_context("fork").Process(target=grandchild, args=(q,))
     p.start()
     p.join()
 
+def afresh():
+    # torch's threads, and whether this process has a heap trimmer of its own
+    import threading
+    import torch
+    trimmer = any(t.name == heap_trim.THREAD_NAME for t in threading.enumerate())
+    return (torch.get_num_threads(), trimmer)
+
+import torch  # imported before the fork, as vLLM has it in the worker
+torch.set_num_threads(2)
 if sys.argv[1] == "armed":
     lifeline.arm()
+heap_trim.start()
+heap_trim.hold()  # the front end holds its heap (engine.frontend_keep_heap)
+os.environ["OMP_NUM_THREADS"] = "1"  # engine.core_threads, exported for the core
 ctx = multiprocessing.get_context("fork")
 q = ctx.Queue()
 p = ctx.Process(target=child, args=(q,))
 p.start()
 p.join()
-print(dict(q.get(timeout=30) for _ in range(2)))
+print(dict(q.get(timeout=30) for _ in range(3)))
 """
 
 
-def _ties(mode: str) -> dict[str, tuple[bool, int]]:
+def _ties(mode: str) -> dict[str, tuple[object, ...]]:
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120,
         start_new_session=True, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    result: dict[str, tuple[bool, int]] = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    result: dict[str, tuple[object, ...]] = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -55,5 +69,13 @@ def test_a_child_forked_from_an_armed_worker_leaves_its_group_and_dies_with_it()
     assert ties["grandchild"] == (False, 0)
 
 
+def test_a_forked_core_gets_the_torch_threads_and_heap_trimmer_a_spawned_one_starts_with() -> None:
+    """torch read OMP_NUM_THREADS when the worker imported it; the worker's trimmer thread does
+    not survive the fork, and its hold (the front end's) is not the core's."""
+    assert _ties("armed")["afresh"] == (1, True)
+
+
 def test_a_process_that_never_armed_forks_children_as_python_does() -> None:
-    assert _ties("plain") == {"child": (False, 0), "grandchild": (False, 0)}
+    ties = _ties("plain")
+    assert ties["child"] == (False, 0) and ties["grandchild"] == (False, 0)
+    assert ties["afresh"] == (2, False)
