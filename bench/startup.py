@@ -8,10 +8,11 @@ sides:
 - plain: a new Python process that does what a user of vLLM alone does (`from vllm import LLM`,
   `LLM(...)` with the arguments the worker gives its engine, then `generate` on one image):
   "ready" once `LLM(...)` returned, "first result" once the image's caption came back;
-- worker: `mmworker run` (one process, and the host's default) with one image job posted
-  before it starts: "ready" at its "consuming" log line (as bench/e2e.py counts it), "assigned"
-  when it logged its start-up summary (partitions held), "first result" when the caption was
-  on the output topic.
+- worker: `mmworker run` (one process; the host's default; the default with its engines loaded
+  together, `engine.start_together`) with one image job posted before it starts: "ready" at its
+  "consuming" log line (as bench/e2e.py counts it), "first result" when the caption was on the
+  output topic; each process's own start-up line (where its seconds went, logged once it holds
+  partitions) is kept in the row.
 
 Cache states: "cold" gives the start new, empty vLLM/torch.compile/Triton/Inductor cache
 directories (and the worker a new feature cache directory); "warm" reuses those of the kind's
@@ -42,8 +43,16 @@ from bench.common import OUT, add_set_option, environment, make_images  # noqa: 
 from bench.e2e_config import Options, child_env, resolve_model_path  # noqa: E402
 from bench.e2e_jobs import image_job, make_topics, post  # noqa: E402
 
-#: kind -> worker processes (None: the worker's own choice); "plain" is vLLM alone.
-KINDS: dict[str, int | None] = {"plain": None, "worker-1": 1, "worker": None}
+#: kind -> (worker processes, None: the worker's own choice; settings of its own); "plain" is
+#: vLLM alone. "worker-together": the default processes with `engine.start_together`, whose cold
+#: start loads the engines one after the other and keeps their KV sizes, and whose warm start
+#: loads them together with those sizes.
+KINDS: dict[str, tuple[int | None, tuple[str, ...]]] = {
+    "plain": (None, ()),
+    "worker-1": (1, ()),
+    "worker": (None, ()),
+    "worker-together": (None, ("engine.start_together=true",)),
+}
 #: Where vLLM, torch.compile, Triton and Inductor keep what makes a second start faster.
 CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 SUMMARY = re.compile(r"start-up: ready ([\d.]+)s after the process started: (.*)")
@@ -166,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker() as broker:
         for kind in kinds:
+            processes, own = KINDS[kind]
             opts = Options(model=ns.model, load_format=ns.load_format,
-                           max_model_len=ns.max_model_len, processes=KINDS[kind],
-                           sets=list(ns.sets), timeout_s=ns.timeout_s)  # fmt: skip
+                           max_model_len=ns.max_model_len, processes=processes,
+                           sets=[*ns.sets, *own], timeout_s=ns.timeout_s)  # fmt: skip
             for state in states:
                 directory = work_root / kind
                 env = child_env(opts) | cache_env(directory, state == "cold")
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = plain_start(opts, args, model, env, log)
                 else:
                     row = worker_start(opts, broker.bootstrap, directory, model, env, log)
-                row = {"kind": kind, "cache": state, "sets": ns.sets, **row, "log": str(log)}
+                row = {"kind": kind, "cache": state, "sets": opts.sets, **row, "log": str(log)}
                 print(json.dumps(row), flush=True)
                 report["rows"].append(row)
                 ns.out.write_text(json.dumps(report, indent=1))

@@ -6,6 +6,7 @@
 #   bash bench/gpu/session.sh peers NAME [--set K=V ...]            # raw ×1, raw ×2 engines, naive
 #   bash bench/gpu/session.sh worker NAME PEERS PASSES [--set K=V ...] [--processes N]
 #   bash bench/gpu/session.sh compare NAME [--set K=V ...]         # all of it: bench/compare.py
+#   bash bench/gpu/session.sh startup KINDS [--set K=V ...]        # bench/startup.py, cold+warm
 #
 # A worker row must get exactly the --set flags its PEERS file ran with (bench/e2e.py's peers take
 # the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
@@ -97,6 +98,19 @@ compare)  # peers, worker cold ×2, warm, peers; call again to go on (--resume k
         --no-profile --images 1000 --videos 100 --work-dir /tmp/e2e --raw-repeats 1 \
         --naive-images 40 --naive-videos 4 "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
     ok "$res/compare-$name.json"
+    ;;
+startup)  # bench/startup.py: KINDS (comma list) cold then warm; again with other KINDS adds rows
+    kinds=${1:?kinds}
+    shift
+    SETUP_ONLY=1 bash bench/gpu/run.sh
+    # The caches stay out of $res (finish copies $res back); the logs come back gzipped.
+    python3 bench/startup.py --model "$model" --load-format dummy --max-model-len 8192 \
+        --kinds "$kinds" --work-dir /tmp/startup --out "$res/startup.json" "$@" 2>&1 |
+        grep -v " INFO \| WARNING " | tail -30
+    mkdir -p "$res/startup-logs"
+    for f in /tmp/startup/*/*.log; do
+        gzip -c "$f" >"$res/startup-logs/$(basename "$(dirname "$f")")-$(basename "$f").gz"
+    done
     ;;
 *)
     echo "unknown stage $stage" >&2

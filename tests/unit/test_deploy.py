@@ -596,7 +596,7 @@ def _image_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("var", ["VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"])
+@pytest.mark.parametrize("var", ["VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"])
 def test_compile_caches_live_on_a_mounted_volume(var: str) -> None:
     """Outside a volume, torch.compile's caches die with the container and every restart
     compiles the model again (minutes on a GPU): in Kubernetes and in compose alike, the image's
