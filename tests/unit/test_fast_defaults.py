@@ -114,6 +114,9 @@ def test_the_compiled_encoder_reaches_the_engine_only_on_a_gpu(
     from mmworker.engine import Engine
 
     on = EngineConfig(compile_vision_encoder=True)
+    # The model "m" is no model: the raw-pixels class's config lookup would go to the Hub (minutes
+    # of retries on a host without network and without HF_HUB_OFFLINE) and fall back anyway.
+    monkeypatch.setattr(engine_module.pixels, "overrides", lambda *_args: None)
     monkeypatch.setattr(engine_module, "_cpu_only", lambda: True)
     assert "compilation_config" not in Engine(on, "m").engine_kwargs()
     monkeypatch.setattr(engine_module, "_cpu_only", lambda: False)

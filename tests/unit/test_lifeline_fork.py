@@ -7,9 +7,14 @@ start as a spawned core would: torch on the threads exported for it, a heap trim
 from __future__ import annotations
 
 import ast
+import contextlib
 import logging
+import signal
 import subprocess
 import sys
+
+import psutil
+import pytest
 
 SCRIPT = """
 import ctypes, logging, multiprocessing, os, sys
@@ -83,3 +88,41 @@ def test_a_process_that_never_armed_forks_children_as_python_does() -> None:
     ties = _ties("plain")
     assert ties["child"] == (False, 0) and ties["grandchild"] == (False, 0)
     assert ties["afresh"] == (2, False, logging.WARNING)
+
+
+ORPHAN = """
+import multiprocessing, os, sys, time
+from mmworker import lifeline
+
+def core():
+    time.sleep(600)  # an engine core busy with its model
+
+if sys.argv[1] == "armed":
+    lifeline.arm()
+p = multiprocessing.get_context("fork").Process(target=core, daemon=False)
+p.start()
+print(p.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("mode", "dies"), [("armed", True), ("plain", False)])
+def test_a_forked_core_is_gone_once_its_worker_is_sigkilled(mode: str, dies: bool) -> None:
+    """The fault itself: SIGKILL the worker while its forked core runs. Armed, the core goes
+    with it (the GPU memory it held is free for the next worker); a plain fork outlives it."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, mode], stdout=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert worker.stdout is not None
+    core = psutil.Process(int(worker.stdout.readline()))
+    try:
+        assert core.is_running()
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+        gone, _ = psutil.wait_procs([core], timeout=10 if dies else 2)
+        assert bool(gone) is dies, f"{mode}: core {core.pid} {'gone' if gone else 'alive'}"
+    finally:
+        worker.stdout.close()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            core.kill()
