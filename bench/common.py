@@ -347,16 +347,18 @@ def environment() -> dict[str, Any]:
         "versions": versions,
         "load_avg_at_start": os.getloadavg(),
         "commit": commit(),
+        "git_head": commit(named=False),
     }
 
 
-def commit() -> str | None:
+def commit(named: bool = True) -> str | None:
     """The code a report measured: MMWORKER_COMMIT where the caller names it (the GPU host's copy
-    of the tree carries stale git metadata), else git's HEAD, "+dirty" with local changes."""
+    of the tree carries stale git metadata), else git's HEAD, "+dirty" with local changes. The
+    environment of a report keeps both, so a name left exported in a shell shows up as such."""
     import subprocess
 
-    if named := os.environ.get("MMWORKER_COMMIT"):
-        return named
+    if named and (name := os.environ.get("MMWORKER_COMMIT")):
+        return name
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,

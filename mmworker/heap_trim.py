@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import threading
@@ -60,10 +61,18 @@ def mallopt(param: int, value: int) -> bool:
     return fn is not None and bool(fn(param, value))
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """This process's C library, found once: `find_library` runs `ldconfig -p` (or a compiler)
+    in a subprocess, which every trim would otherwise pay."""
+    lib = ctypes.util.find_library("c")
+    return ctypes.CDLL(lib) if lib is not None else None
+
+
 def _libc_fn(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
     """A function of this process's C library that returns an int; None where it has none."""
-    lib = ctypes.util.find_library("c")
-    fn = getattr(ctypes.CDLL(lib), name, None) if lib is not None else None
+    libc = _libc()
+    fn = getattr(libc, name, None) if libc is not None else None
     if fn is None:
         return None
     fn.argtypes = argtypes

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 #: Set by the worker before it starts the engine: its own pid.
 ENV = "MMWORKER_LIFELINE_PID"
+#: Set by the worker when it, not the user, chose to fork the engine core
+#: (`engine._core_start_method`): the forked core then has its own children spawned.
+CORE_FORKED_ENV = "MMWORKER_CORE_FORKED"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -71,18 +74,38 @@ def _forked() -> None:
 
 
 def _as_if_started_afresh() -> None:
-    """What a spawned engine core gets by starting a new interpreter, a forked one must be given:
-    torch read OMP_NUM_THREADS when the worker imported it, so the one thread the worker exports
-    for its core (`engine.core_threads`) would not reach a forked core's torch; the heap
-    trimmer's thread, and its hold, are the worker's, not the child's; and vLLM's logger has the
-    worker's quieter level, so a VLLM_LOGGING_LEVEL=INFO asked for the core's start-up lines
-    (KV cache size, compile times) would show nothing (the first H100 run with forked cores)."""
+    """What a spawned engine core gets by starting a new interpreter, a forked one must be given.
+
+    - Its own children (the executor processes of a multi-GPU engine) spawn, as they did when
+      the core itself was spawned, so the plugin hook ties them to it; forked, they would inherit
+      the "plugins loaded" mark and get no ties (unless the user asked for fork).
+    - The worker's signal wakeup fd (asyncio's self-pipe) is not the core's: a signal to the
+      core would otherwise reach the worker's event loop as if the worker had got it.
+    - torch read OMP_NUM_THREADS when the worker imported it, so the one thread the worker
+      exports for its core (`engine.core_threads`) would not reach a forked core's torch.
+    - vLLM's logger has the worker's quieter level; a fresh vLLM takes VLLM_LOGGING_LEVEL (the
+      first H100 run with forked cores showed none of the core's INFO start-up lines).
+    - The heap trimmer's thread, and its hold, are the worker's, not the child's.
+
+    Each step stands alone: an exception in an at-fork hook would skip the steps after it."""
+    if os.environ.pop(CORE_FORKED_ENV, None) == "1":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not forked from the main thread: no wakeup fd is ours to drop
+        log.debug("forked from a thread other than the main one: wakeup fd left")
     torch = sys.modules.get("torch")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if torch is not None and threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+        try:
+            torch.set_num_threads(int(threads))
+        except RuntimeError as exc:
+            log.warning("forked engine core keeps torch's threads: %s", exc)
     if level := os.environ.get("VLLM_LOGGING_LEVEL"):
-        logging.getLogger("vllm").setLevel(level.upper())
+        try:
+            logging.getLogger("vllm").setLevel(level.upper())
+        except ValueError:  # not a level name: vLLM itself would refuse it too
+            log.warning("VLLM_LOGGING_LEVEL=%r is not a logging level", level)
     heap_trim.start_in_forked_child()
 
 

@@ -24,6 +24,7 @@ from mmworker_preprocess.params import PreparedImage, PreparedVideo
 from mmworker_schemas import GenerationParams
 from PIL import Image
 
+from mmworker import lifeline
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
 from mmworker.engine import frontend, pixels, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
@@ -108,8 +109,6 @@ class Engine:
         #: Engine cores started so far in this process, minus one: a request that saw a death at
         #: an older epoch is retried, not counted as a new death (`restart`).
         self.epoch = 0
-        #: Engine cores this object has started (the first one is forked, `_core_start_method`).
-        self.starts = 0
         #: The processes vLLM started for the running core, reaped before a restart.
         self._core_procs: list[psutil.Process] = []
 
@@ -138,7 +137,7 @@ class Engine:
         return time.monotonic() - t0
 
     def _start(self) -> None:
-        engine_process_env(first_start=self.starts == 0)
+        engine_process_env(first_start=_CORES_STARTED["count"] == 0)
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -168,7 +167,8 @@ class Engine:
         # After it too: a forked core would inherit the front end's malloc settings.
         if frontend.keeps_heap(self._cfg.frontend_keep_heap, gpu=not _cpu_only()):
             frontend.keep_heap()
-        self.starts += 1
+        if self._core is None:
+            _CORES_STARTED["count"] += 1
         self._raw_pixels = pixels.ARCHITECTURE in (
             self._llm.model_config.hf_config.architectures or ()
         )
@@ -518,7 +518,7 @@ def preload() -> None:
     share a GPU their engines load one at a time, and this lets the next process's ~10 s of
     imports run beside the load of the engine before it instead of after it. Same order as
     `Engine._start` (the engine-process environment first)."""
-    engine_process_env(first_start=True)
+    engine_process_env(first_start=_CORES_STARTED["count"] == 0)
     from transformers import AutoTokenizer  # noqa: F401
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
     from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
@@ -555,6 +555,10 @@ def engine_process_env(first_start: bool = False) -> None:
 
 #: vLLM's variable for how its engine core (and GPU executor processes) start.
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+#: Engine cores this process has started: only the first is forked (`_core_start_method`),
+#: whichever `Engine` object starts it.
+_CORES_STARTED = {"count": 0}
+
 #: What the environment held before the worker first set the variable (`_core_start_method`):
 #: a user's own choice, kept for every start, or None.
 _USERS_START_METHOD: list[str | None] = []
@@ -575,6 +579,10 @@ def _core_start_method(fork: bool) -> None:
         _USERS_START_METHOD.append(os.environ.get(START_METHOD_VAR))
     if _USERS_START_METHOD[0] is None:
         os.environ[START_METHOD_VAR] = "fork" if fork else "spawn"
+        if fork:
+            os.environ[lifeline.CORE_FORKED_ENV] = "1"  # its own children spawn (lifeline)
+        else:
+            os.environ.pop(lifeline.CORE_FORKED_ENV, None)
 
 
 def core_threads_env(cfg: EngineConfig) -> Callable[[], None]:

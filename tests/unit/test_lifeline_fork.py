@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 SCRIPT = """
-import ctypes, logging, multiprocessing, os, sys
+import ctypes, logging, multiprocessing, os, signal, socket, sys
 from mmworker import heap_trim, lifeline
 
 def ties():
@@ -40,7 +40,10 @@ def afresh():
     import threading
     import torch
     trimmer = any(t.name == heap_trim.THREAD_NAME for t in threading.enumerate())
-    return (torch.get_num_threads(), trimmer, logging.getLogger("vllm").level)
+    wakeup_dropped = signal.set_wakeup_fd(-1) == -1
+    method = os.environ["VLLM_WORKER_MULTIPROC_METHOD"]
+    return (torch.get_num_threads(), trimmer, logging.getLogger("vllm").level, method,
+            wakeup_dropped)
 
 import torch  # imported before the fork, as vLLM has it in the worker
 torch.set_num_threads(2)
@@ -51,6 +54,11 @@ heap_trim.hold()  # the front end holds its heap (engine.frontend_keep_heap)
 os.environ["OMP_NUM_THREADS"] = "1"  # engine.core_threads, exported for the core
 os.environ["VLLM_LOGGING_LEVEL"] = "INFO"  # what the core's own vLLM would log at
 logging.getLogger("vllm").setLevel(logging.WARNING)  # the worker's own, quieter policy
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # the worker's choice for its core ...
+os.environ[lifeline.CORE_FORKED_ENV] = "1"  # ... not the user's
+_pipe = socket.socketpair()  # asyncio's self-pipe in the worker
+_pipe[1].setblocking(False)
+signal.set_wakeup_fd(_pipe[1].fileno())
 ctx = multiprocessing.get_context("fork")
 q = ctx.Queue()
 p = ctx.Process(target=child, args=(q,))
@@ -80,14 +88,17 @@ def test_a_child_forked_from_an_armed_worker_leaves_its_group_and_dies_with_it()
 def test_a_forked_core_starts_as_a_spawned_one_would() -> None:
     """torch read OMP_NUM_THREADS when the worker imported it; the worker's trimmer thread does
     not survive the fork, and its hold (the front end's) is not the core's; vLLM's logger gets
-    the level VLLM_LOGGING_LEVEL gives a fresh vLLM, not the worker's quieter one."""
-    assert _ties("armed")["afresh"] == (1, True, logging.INFO)
+    the level VLLM_LOGGING_LEVEL gives a fresh vLLM, not the worker's quieter one; the core's
+    own children (multi-GPU executors) spawn, so vLLM's plugin hook ties them to it; and the
+    worker's signal wakeup fd is dropped, so a signal to the core does not wake the worker's
+    event loop as if it were the worker's."""
+    assert _ties("armed")["afresh"] == (1, True, logging.INFO, "spawn", True)
 
 
 def test_a_process_that_never_armed_forks_children_as_python_does() -> None:
     ties = _ties("plain")
     assert ties["child"] == (False, 0) and ties["grandchild"] == (False, 0)
-    assert ties["afresh"] == (2, False, logging.WARNING)
+    assert ties["afresh"] == (2, False, logging.WARNING, "fork", False)
 
 
 ORPHAN = """
