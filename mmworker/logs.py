@@ -140,6 +140,16 @@ def library_level(level: str) -> str:
     return "DEBUG" if level == "DEBUG" else max(level, "WARNING", key=_LEVELS.index)
 
 
+def vllm_level(level: str) -> str:
+    """vLLM's level for the worker's `level`: a VLLM_LOGGING_LEVEL a person exported wins (it is
+    how one asks for vLLM's own start-up lines: weights, compile, KV cache size, CUDA graphs),
+    else `library_level`. Our own earlier value of the variable is not a person's choice."""
+    person = os.environ.get("VLLM_LOGGING_LEVEL", "").upper()
+    if person in _LEVELS and _SET_BY_US.get("VLLM_LOGGING_LEVEL", "").upper() != person:
+        return person
+    return library_level(level)
+
+
 def setup(level: str = "INFO", tag: str | None = None, fmt: LogFormat = "text") -> None:
     """This process's logging: a stderr handler with our format on the root logger (unless one is
     there already, e.g. pytest's), `KNOWN_NOISE` dropped unless DEBUG, kafka-python's level."""
@@ -169,7 +179,7 @@ def _library_loggers(level: str) -> None:
         if level != "DEBUG":
             handler.addFilter(KnownNoise())
     logging.getLogger("kafka").setLevel(library_level(level))
-    logging.getLogger("vllm").setLevel(library_level(level))
+    logging.getLogger("vllm").setLevel(vllm_level(level))
     if level != "DEBUG":
         warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -201,7 +211,11 @@ def quiet_libraries(level: str, fmt: LogFormat = "text") -> None:
             continue  # a person's choice
         chosen = value
         if key == "VLLM_LOGGING_CONFIG_PATH":
-            chosen = str(vllm_logging_config(lib, drop_noise=level != "DEBUG", fmt=fmt))
+            # The file is what vLLM applies: a person's VLLM_LOGGING_LEVEL must reach it, or
+            # their INFO is silently cut at our handler's WARNING.
+            chosen = str(
+                vllm_logging_config(vllm_level(level), drop_noise=level != "DEBUG", fmt=fmt)
+            )
         os.environ[key] = _SET_BY_US[key] = chosen
     for key in set(_SET_BY_US) - set(env):  # DEBUG after INFO: warnings back on
         if os.environ.get(key) == _SET_BY_US.pop(key):

@@ -637,6 +637,31 @@ def test_vllm_processes_get_our_policy_but_a_persons_setting_wins(
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
 
 
+def test_a_persons_vllm_logging_level_reaches_vllms_own_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_LOGGING_LEVEL=INFO is how one sees vLLM's start-up lines (KV cache size, compile
+    times): the logging file vLLM applies, and its logger here, must carry it, not our WARNING
+    (they did not: the file's handler cut every INFO line whatever the variable said)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "info")  # a person's choice, any case
+    monkeypatch.setattr(logs, "_SET_BY_US", {})
+    logs.quiet_libraries("INFO")
+    config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    assert config["loggers"]["vllm"]["level"] == "INFO"
+    assert config["handlers"]["mmworker"]["level"] == "INFO"
+    assert logging.getLogger("vllm").level == logging.INFO
+    assert logging.getLogger("kafka").level == logging.WARNING  # the rest keeps our policy
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_CONFIG_PATH"):  # a fresh process
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(logs, "_SET_BY_US", {})
+    logs.quiet_libraries("INFO")  # nobody asked: ours
+    config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+    assert config["handlers"]["mmworker"]["level"] == "WARNING"
+    assert logging.getLogger("vllm").level == logging.WARNING
+
+
 def test_known_noise_is_dropped_and_the_rest_kept() -> None:
     noise = logs.KnownNoise()
 
