@@ -9,17 +9,18 @@ sides:
   `LLM(...)` with the arguments the worker gives its engine, then `generate` on one image):
   "ready" once `LLM(...)` returned, "first result" once the image's caption came back;
 - worker: `mmworker run` (one process; the host's default; the default with its engines loaded
-  together, `engine.start_together`) with one image job posted before it starts: "ready" at its
-  "consuming" log line (as bench/e2e.py counts it), "first result" when the caption was on the
-  output topic; each process's own start-up line (where its seconds went, logged once it holds
-  partitions) is kept in the row.
+  one after another, `engine.start_together = false`) with one image job posted before it
+  starts: "ready" at its "consuming" log line (as bench/e2e.py counts it), "first result" when
+  the caption was on the output topic; each process's own start-up line (where its seconds
+  went, logged once it holds partitions) is kept in the row.
 
 Cache states: "cold" gives the start new, empty vLLM/torch.compile/Triton/Inductor cache
 directories (and the worker a new feature cache directory); "warm" reuses those of the kind's
 cold start, which filled them. Each kind keeps its own, so one does not warm the other. Caches
 no row controls (the OS page cache over vLLM, torch and the model files; CUDA's JIT cache) are
-filled by one unrecorded plain start first (`--prime`, on by default), so the row that happens to
-run first does not pay for the others.
+filled before the rows (`--prime files`, the default: the libraries read and one CUDA matmul;
+`--prime start`: one unrecorded plain start), so the row that happens to run first does not pay
+for the others.
 
     .venv/bin/python bench/startup.py                                  # CPU, the tiny model
     python3 bench/startup.py --model DIR --load-format dummy --out bench/out/startup.json  # GPU
@@ -47,14 +48,15 @@ from bench.e2e_config import Options, child_env, resolve_model_path  # noqa: E40
 from bench.e2e_jobs import image_job, make_topics, post  # noqa: E402
 
 #: kind -> (worker processes, None: the worker's own choice; settings of its own); "plain" is
-#: vLLM alone. "worker-together": the default processes with `engine.start_together`, whose cold
-#: start loads the engines one after the other and keeps their KV sizes, and whose warm start
-#: loads them together with those sizes.
+#: vLLM alone. "worker" (the defaults): several processes' engines load one after another at the
+#: cold start, which keeps their KV sizes, and together at the warm start, given those sizes;
+#: "worker-in-turn" keeps loading them one after another (`engine.start_together = false`, the
+#: default until session 26).
 KINDS: dict[str, tuple[int | None, tuple[str, ...]]] = {
     "plain": (None, ()),
     "worker-1": (1, ()),
     "worker": (None, ()),
-    "worker-together": (None, ("engine.start_together=true",)),
+    "worker-in-turn": (None, ("engine.start_together=false",)),
 }
 #: Where vLLM, torch.compile, Triton and Inductor keep what makes a second start faster.
 CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
@@ -96,8 +98,14 @@ def cache_env(directory: Path, cold: bool) -> dict[str, str]:
     return env
 
 
-def plain_start(opts: Options, args: list[str], model: str, env: dict[str, str],
+def plain_start(opts: Options, bootstrap: str, directory: Path, model: str, env: dict[str, str],
                 log: Path) -> dict[str, Any]:  # fmt: skip
+    """A plain `LLM(...)` given the engine arguments the worker's configuration makes (the
+    worker arguments are parsed, never run: no topic is read)."""
+    from bench.peers.worker import worker_args
+
+    unused = {"input": "unused", "output": "unused", "dlq": "unused"}
+    args = worker_args(opts, bootstrap, directory, unused, "probe", model, 0, [directory])
     t0 = time.time()
     with log.open("wb") as f:
         done = subprocess.run(
@@ -160,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="caches per kind, kept for a warm start in a later call")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument(
-        "--prime", action=argparse.BooleanOptionalAction, default=True,
-        help="one unrecorded plain start first (own throwaway caches), so the OS page cache and "
-        "CUDA's own JIT cache do not favour the rows after the first",
+        "--prime", choices=("files", "start", "none"), default="files",
+        help="before the rows, so the OS page cache and CUDA's own JIT cache do not favour the "
+        "rows after the first: 'files' reads the libraries of torch, vLLM, CUDA, Triton and "
+        "transformers and runs one CUDA matmul (~35 s on an H100 host); 'start' makes one "
+        "unrecorded plain start (own throwaway caches, ~2 min)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=OUT / "startup.json")
     add_set_option(p, "extra worker setting (the plain engine follows it too)")
@@ -182,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"] = json.loads(ns.out.read_text()).get("rows", [])
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker() as broker:
-        if ns.prime:
+        if ns.prime == "files":
+            prime_files()
+        elif ns.prime == "start":
             prime(ns, broker.bootstrap, model, work_root / "prime")
         for kind in kinds:
             processes, own = KINDS[kind]
@@ -198,12 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 log = directory / f"{state}.log"  # after cache_env: a cold start empties it
                 print(f"[{kind} {state}] starting", flush=True)
                 if kind == "plain":
-                    from bench.peers.worker import worker_args
-
-                    probe = {"input": "unused", "output": "unused", "dlq": "unused"}
-                    args = worker_args(opts, broker.bootstrap, directory, probe, "probe", model,
-                                       0, [directory])  # fmt: skip
-                    row = plain_start(opts, args, model, env, log)
+                    row = plain_start(opts, broker.bootstrap, directory, model, env, log)
                 else:
                     row = worker_start(opts, broker.bootstrap, directory, model, env, log)
                 row = {"kind": kind, "cache": state, "sets": opts.sets, "commit": commit(),
@@ -215,27 +222,53 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prime(ns: argparse.Namespace, bootstrap: str, model: str, directory: Path) -> None:
-    """The unrecorded start of `--prime`: the first start on a fresh machine also reads vLLM,
-    torch and the model from disk and fills caches no row controls; let it be none of the rows."""
-    from bench.peers.worker import worker_args
+PRIME_FILES = """
+import importlib.util, os, sys, time
+t0 = time.time()
+read = 0
+for name in ("torch", "vllm", "nvidia", "triton", "flashinfer", "transformers"):
+    spec = importlib.util.find_spec(name)
+    for top in (spec.submodule_search_locations or []) if spec else []:
+        for d, _, files in os.walk(top):
+            for f in files:
+                if f.endswith((".so", ".py", ".cubin")) or ".so." in f:
+                    with open(os.path.join(d, f), "rb") as fh:
+                        while chunk := fh.read(1 << 24):
+                            read += len(chunk)
+import torch, vllm  # noqa: F401
+if torch.cuda.is_available():
+    a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize(); (a @ a).sum().item()
+print(f"[prime] read {read / 2**30:.1f} GiB, imported vLLM in {time.time() - t0:.1f}s")
+"""
 
+
+def prime_files() -> None:
+    """`--prime files`: what a first start on a fresh machine pays beyond its own caches (the
+    libraries read from disk, the GPU's first context), paid by no row."""
+    subprocess.run([sys.executable, "-c", PRIME_FILES], check=True, cwd=ROOT)
+
+
+def prime(ns: argparse.Namespace, bootstrap: str, model: str, directory: Path) -> None:
+    """The unrecorded start of `--prime start`: the first start on a fresh machine also reads vLLM,
+    torch and the model from disk and fills caches no row controls; let it be none of the rows."""
     opts = Options(model=ns.model, load_format=ns.load_format, max_model_len=ns.max_model_len,
                    sets=list(ns.sets), timeout_s=ns.timeout_s)  # fmt: skip
     env = child_env(opts) | cache_env(directory, cold=True)
-    probe = {"input": "unused", "output": "unused", "dlq": "unused"}
-    args = worker_args(opts, bootstrap, directory, probe, "probe", model, 0, [directory])
     print("[prime] an unrecorded plain start", flush=True)
-    took = plain_start(opts, args, model, env, directory / "prime.log")
+    took = plain_start(opts, bootstrap, directory, model, env, directory / "prime.log")
     print(f"[prime] ready after {took['ready_s']}s", flush=True)
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    """Each worker row against the plain row of the same cache state, when there is one."""
-    plain = {r["cache"]: r for r in rows if r["kind"] == "plain"}
-    for r in rows:
-        base = plain.get(r["cache"])
-        ratio = f"{r['ready_s'] / base['ready_s']:.2f}x plain" if base and r is not base else ""
+    """Each worker row against the plain row of the same cache state that ran last before it
+    (else the first after it): calls that add rows to one report pair with their own base."""
+    for i, r in enumerate(rows):
+        same = [j for j, q in enumerate(rows) if q["kind"] == "plain" and q["cache"] == r["cache"]]
+        before = [j for j in same if j < i]
+        base = rows[before[-1]] if before else rows[same[0]] if same else None
+        worker = base is not None and r["kind"] != "plain"
+        ratio = f"{r['ready_s'] / base['ready_s']:.2f}x plain" if worker else ""
         print(f"{r['kind']:>9} {r['cache']:>4}: ready {r['ready_s']:7.1f}s  first result "
               f"{r['first_result_s']:7.1f}s  {ratio}")  # fmt: skip
 

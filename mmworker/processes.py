@@ -9,7 +9,8 @@ members, so N processes need no coordination of their own beyond three rules:
   sees change while it profiles, which a neighbour loading at the same moment would skew (the
   processes themselves start together, so each one's imports and preprocessing pool overlap the
   load of the engine before it). Each keeps the size it found (`mmworker.kv_sizes`); once every
-  engine's size is known, later starts give it to them and they load together;
+  engine's size is known, later starts give it to them and they load together (a set that fails
+  to is replaced by one that loads in turn);
 - nobody consumes before every engine is up, so the group rebalances once, not N times;
 - the first child that fails takes the others down (SIGTERM: they drain and commit), so the
   supervisor above (Kubernetes, systemd) restarts the whole set rather than a silently smaller one.
@@ -106,11 +107,7 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
         started = [children.spawn(index) for index in range(cfg.processes)]
         known = together_size(cfg)  # while the children import
         if known is None:
-            for turn, (child, ready) in zip(children.turns, started, strict=True):
-                turn.set()
-                if (failed := children.start_failed(child, ready)) is not None:
-                    return failed
-            return children.consume("")
+            return _in_turn(children, started)
         key, size = known
         log.info(
             "engines load together, %.2f GiB of KV cache each (%d blocks, as their first start "
@@ -121,14 +118,34 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
             turn.set()
         for child, ready in started:
             if (failed := children.start_failed(child, ready)) is not None:
-                kv_sizes.book_for(cfg.cache.directory).forget(key)  # next time: one by one
-                return failed
+                kv_sizes.book_for(cfg.cache.directory).forget(key)  # profiled again below
+                if stopping:
+                    return failed
+                # Loading together is the default, so a size that no longer fits (another
+                # tenant on the GPU, a driver that holds more) must not cost the worker its
+                # start: a new set loads in turn, each engine profiling what it sees free.
+                log.warning(
+                    "the engines did not load together (exit %d): loading them one after "
+                    "another", failed,
+                )  # fmt: skip
+                children = _Children(cfg, lambda: stopping)
+                return _in_turn(children, [children.spawn(i) for i in range(cfg.processes)])
         return children.consume(", engines loaded together")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if server is not None:
             server.shutdown()
+
+
+def _in_turn(children: _Children, started: list[tuple[BaseProcess, Event]]) -> int:
+    """Each engine loads once the one before it is up, so vLLM sizes its KV cache from the
+    memory it sees free with no neighbour loading beside it."""
+    for turn, (child, ready) in zip(children.turns, started, strict=True):
+        turn.set()
+        if (failed := children.start_failed(child, ready)) is not None:
+            return failed
+    return children.consume("")
 
 
 def together_size(cfg: WorkerConfig) -> tuple[str, kv_sizes.KvSize] | None:

@@ -158,7 +158,7 @@ class _StandIn:
     """A worker process in a thread: waits for its turn, notes the KV bytes it was given, and
     is ready (or dies first, exit code 3)."""
 
-    def __init__(self, children: Any, index: int, dies: bool) -> None:
+    def __init__(self, children: Any, index: int, dies: bool, dies_given: bool = False) -> None:
         import threading
 
         self.name, self.pid, self.exitcode = f"mmworker-{index}", None, None
@@ -174,7 +174,7 @@ class _StandIn:
             self.given = int(children.planned.value)
             # One after another: the next turn is set only once this one is ready.
             self.waited_alone = not all(t.is_set() for t in children.turns)
-            if dies:
+            if dies or (dies_given and self.given):
                 self.exitcode = 3
             else:
                 self.ready.set()
@@ -188,7 +188,9 @@ class _StandIn:
         return None
 
 
-def _run_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: bool = False) -> Any:
+def _run_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: bool = False, dies_given: bool = False
+) -> Any:
     from mmworker import app, processes
 
     monkeypatch.setattr(hardware, "probe", lambda: H100)
@@ -202,7 +204,8 @@ def _run_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: bool = False
     made: list[_StandIn] = []
 
     def spawn(self: Any, index: int, core: Any = None) -> tuple[Any, Any]:
-        made.append(_StandIn(self, index, dies=dies and index == 1))
+        one = index == 1
+        made.append(_StandIn(self, index, dies=dies and one, dies_given=dies_given and one))
         return made[-1], made[-1].ready
 
     monkeypatch.setattr(processes._Children, "spawn", spawn)
@@ -245,6 +248,37 @@ def test_a_set_that_fails_to_load_together_forgets_the_size(
     book = kv_sizes.book_for(cfg.cache.directory)
     book.put(key, KvSize(43039, 25_383_993_344))
     code, made, _ = _run_set(tmp_path, monkeypatch, dies=True)
-    assert code == 3
+    assert code == 3, "a set that fails in turn as well reports the failure"
     assert made[1].given == 25_383_993_344
+    assert [c.given for c in made[2:]] == [0, 0], "then a new set loaded in turn, profiling"
     assert book.get(key) is None, "the next start profiles, one engine after another"
+
+
+def test_a_set_that_fails_together_starts_again_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading together is the default: a kept size that no longer fits (another tenant on the
+    GPU) must cost a slower start, not the worker's start."""
+    from mmworker import app
+    from mmworker.processes import child_config
+
+    _, _, cfg = _run_set(tmp_path, monkeypatch)
+    child = child_config(cfg, 0)
+    key = app.kv_size_key(child, app.make_engine(child))
+    assert key is not None
+    kv_sizes.book_for(cfg.cache.directory).put(key, KvSize(43039, 25_383_993_344))
+    code, made, _ = _run_set(tmp_path, monkeypatch, dies_given=True)
+    assert code == 0
+    assert len(made) == 4, "the failed set, then a new one"
+    assert made[1].exitcode == 3 and made[1].given == 25_383_993_344
+    assert [c.given for c in made[2:]] == [0, 0]
+    assert made[2].waited_alone, "the new set's second engine waited for the first"
+
+
+def test_loading_together_is_the_default(tmp_path: Path) -> None:
+    cfg = load_config(
+        processes=2,
+        cache={"directory": tmp_path / "features"},
+        engine={"model": "m", "pixels_on_engine": False},
+    )
+    assert cfg.engine.start_together
