@@ -313,6 +313,10 @@ def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
 # Environment facts stored with every result file
 
 
+#: Where vLLM, torch.compile, Triton and Inductor keep what makes a second start faster.
+COMPILE_CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def environment() -> dict[str, Any]:
     import platform
     from importlib import metadata
@@ -348,6 +352,9 @@ def environment() -> dict[str, Any]:
         "load_avg_at_start": os.getloadavg(),
         "commit": commit(),
         "git_head": commit(named=False),
+        # where compiled graphs and kernels were looked up: a shared, filled one makes a start
+        # faster (never a rate, which is counted after start-up)
+        "compile_caches": {v: os.environ.get(v) for v in COMPILE_CACHE_VARS},
     }
 
 

@@ -43,7 +43,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import OUT, add_set_option, commit, environment, make_images  # noqa: E402
+from bench.common import (  # noqa: E402
+    COMPILE_CACHE_VARS,
+    OUT,
+    add_set_option,
+    commit,
+    environment,
+    make_images,
+)
 from bench.e2e_config import Options, child_env, resolve_model_path  # noqa: E402
 from bench.e2e_jobs import image_job, make_topics, post  # noqa: E402
 
@@ -58,8 +65,6 @@ KINDS: dict[str, tuple[int | None, tuple[str, ...]]] = {
     "worker": (None, ()),
     "worker-in-turn": (None, ("engine.start_together=false",)),
 }
-#: Where vLLM, torch.compile, Triton and Inductor keep what makes a second start faster.
-CACHE_VARS = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 SUMMARY = re.compile(r"start-up: ready ([\d.]+)s after the process started: (.*)")
 
 PLAIN = """
@@ -91,7 +96,7 @@ def cache_env(directory: Path, cold: bool) -> dict[str, str]:
     if cold and directory.exists():
         shutil.rmtree(directory)
     env = {}
-    for var in CACHE_VARS:
+    for var in COMPILE_CACHE_VARS:
         path = directory / "compile" / var.lower()
         path.mkdir(parents=True, exist_ok=True)
         env[var] = str(path)

@@ -26,6 +26,15 @@ export TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 # /tmp/mmworker-plugins: the entry-point dist-info bench/gpu/run.sh writes (its comment says why)
 export PYTHONPATH=$PWD:$PWD/schemas:$PWD/preprocess:/tmp/mmworker-plugins
+# One compile cache for every e2e stage of a lease (vLLM's torch.compile, Inductor, Triton): the
+# peers' and the worker's engines compile once per lease, not in every call (session 25's e2e
+# call spent its 570 s on the peers' compile). `startup` keeps its own per-kind directories (its
+# cold rows need them empty) and adds them here when it ends, so a `peers` call after it starts
+# warm (session 26). Rates are counted after start-up, so this changes no rate.
+cc=${COMPILE_CACHE:-/tmp/compile-cache}
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$cc/vllm_cache_root}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$cc/triton_cache_dir}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$cc/torchinductor_cache_dir}
 res=${RES:-/tmp/s10}
 mkdir -p "$res" "${OUT:-bench/out}"
 model=/tmp/qwen2.5-vl-3b-dummy
@@ -107,9 +116,12 @@ startup)  # bench/startup.py: KINDS (comma list) cold then warm; again with othe
     python3 bench/startup.py --model "$model" --load-format dummy --max-model-len 8192 \
         --kinds "$kinds" --work-dir /tmp/startup --out "$res/startup.json" "$@" 2>&1 |
         grep -v " INFO \| WARNING " | tail -30
-    mkdir -p "$res/startup-logs"
+    mkdir -p "$res/startup-logs" "$cc"
     for f in /tmp/startup/*/*.log; do
         gzip -c "$f" >"$res/startup-logs/$(basename "$(dirname "$f")")-$(basename "$f").gz"
+    done
+    for d in /tmp/startup/*/compile; do  # vllm_cache_root, triton_cache_dir, ...: see above
+        [[ -d $d ]] && cp -rn "$d"/. "$cc"/
     done
     ;;
 *)
