@@ -18,9 +18,9 @@ Cache states: "cold" gives the start new, empty vLLM/torch.compile/Triton/Induct
 directories (and the worker a new feature cache directory); "warm" reuses those of the kind's
 cold start, which filled them. Each kind keeps its own, so one does not warm the other. Caches
 no row controls (the OS page cache over vLLM, torch and the model files; CUDA's JIT cache) are
-filled before the rows (`--prime files`, the default: the libraries read and one CUDA matmul;
-`--prime start`: one unrecorded plain start), so the row that happens to run first does not pay
-for the others.
+filled before the rows (`--prime files`, the default: the libraries and the model read, one CUDA
+matmul; `--prime start`: one unrecorded plain start), so the row that happens to run first does
+not pay for the others.
 
     .venv/bin/python bench/startup.py                                  # CPU, the tiny model
     python3 bench/startup.py --model DIR --load-format dummy --out bench/out/startup.json  # GPU
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prime", choices=("files", "start", "none"), default="files",
         help="before the rows, so the OS page cache and CUDA's own JIT cache do not favour the "
         "rows after the first: 'files' reads the libraries of torch, vLLM, CUDA, Triton and "
-        "transformers and runs one CUDA matmul (~35 s on an H100 host); 'start' makes one "
-        "unrecorded plain start (own throwaway caches, ~2 min)",
+        "transformers and the model's files, and runs one CUDA matmul (~35 s on an H100 host); "
+        "'start' makes one unrecorded plain start (own throwaway caches, ~2 min)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=OUT / "startup.json")
     add_set_option(p, "extra worker setting (the plain engine follows it too)")
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker() as broker:
         if ns.prime == "files":
-            prime_files()
+            prime_files(model)
         elif ns.prime == "start":
             prime(ns, broker.bootstrap, model, work_root / "prime")
         for kind in kinds:
@@ -231,15 +231,21 @@ PRIME_FILES = """
 import importlib.util, os, sys, time
 t0 = time.time()
 read = 0
+tops = []
 for name in ("torch", "vllm", "nvidia", "triton", "flashinfer", "transformers"):
     spec = importlib.util.find_spec(name)
     for top in (spec.submodule_search_locations or []) if spec else []:
         for d, _, files in os.walk(top):
             for f in files:
                 if f.endswith((".so", ".py", ".cubin")) or ".so." in f:
-                    with open(os.path.join(d, f), "rb") as fh:
-                        while chunk := fh.read(1 << 24):
-                            read += len(chunk)
+                    tops.append(os.path.join(d, f))
+for path in tops + [os.path.join(d, f) for d, _, fs in os.walk(sys.argv[1]) for f in fs]:
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                read += len(chunk)
+    except OSError:  # a dangling link, an unreadable file: not worth failing the bench over
+        continue
 import torch, vllm  # noqa: F401
 if torch.cuda.is_available():
     a = torch.ones(64, 64, device="cuda", dtype=torch.bfloat16)
@@ -248,10 +254,10 @@ print(f"[prime] read {read / 2**30:.1f} GiB, imported vLLM in {time.time() - t0:
 """
 
 
-def prime_files() -> None:
+def prime_files(model: str) -> None:
     """`--prime files`: what a first start on a fresh machine pays beyond its own caches (the
-    libraries read from disk, the GPU's first context), paid by no row."""
-    subprocess.run([sys.executable, "-c", PRIME_FILES], check=True, cwd=ROOT)
+    libraries and the model's files read from disk, the GPU's first context), paid by no row."""
+    subprocess.run([sys.executable, "-c", PRIME_FILES, model], check=True, cwd=ROOT)
 
 
 def prime(ns: argparse.Namespace, bootstrap: str, model: str, directory: Path) -> None:
@@ -274,7 +280,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         base = rows[before[-1]] if before else rows[same[0]] if same else None
         worker = base is not None and r["kind"] != "plain"
         ratio = f"{r['ready_s'] / base['ready_s']:.2f}x plain" if worker else ""
-        print(f"{r['kind']:>9} {r['cache']:>4}: ready {r['ready_s']:7.1f}s  first result "
+        print(f"{r['kind']:>15} {r['cache']:>4}: ready {r['ready_s']:7.1f}s  first result "
               f"{r['first_result_s']:7.1f}s  {ratio}")  # fmt: skip
 
 

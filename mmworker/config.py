@@ -237,9 +237,9 @@ class EngineConfig(_Section):
         True,
         description="With processes > 1 on a GPU: the engines load at once, each given the KV "
         "cache size that its first, profiled start found (kept in engine-sizes/ beside "
-        "cache.directory); until that size is known, or if loading together fails, they load "
-        "one after another. Warm, on an H100: ready in 1.20-1.37x a plain engine's start, "
-        "against 1.79x in turn (docs/performance.md)",
+        "cache.directory; with the cache off, always in turn); until that size is known, or if "
+        "loading together fails, they load one after another. Warm, on an H100: ready in "
+        "1.20-1.37x a plain engine's start, against 1.79x in turn (docs/performance.md)",
     )
     load_format: str = Field("auto", description="'dummy' for weightless benchmarks")
     seed: int = Field(0, description="Engine seed (sampling with temperature > 0)")

@@ -118,12 +118,14 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
             turn.set()
         for child, ready in started:
             if (failed := children.start_failed(child, ready)) is not None:
-                kv_sizes.book_for(cfg.cache.directory).forget(key)  # profiled again below
-                if stopping:
+                if stopping:  # a stop, not a failure: the size stays good
                     return failed
-                # Loading together is the default, so a size that no longer fits (another
-                # tenant on the GPU, a driver that holds more) must not cost the worker its
-                # start: a new set loads in turn, each engine profiling what it sees free.
+                kv_sizes.book_for(cfg.cache.directory).forget(key)  # profiled again below
+                # Loading together is the default, so a kept size that no longer fits beside
+                # the other engines (a driver or CUDA that holds more than when it was measured,
+                # a neighbour's peak at the same moment) must not cost the worker its start: a
+                # new set loads in turn, each engine profiling what it sees free. A failure
+                # that is not about loading together fails again there, and that is reported.
                 log.warning(
                     "the engines did not load together (exit %d): loading them one after "
                     "another", failed,
@@ -262,7 +264,7 @@ class _Children:
         """Wait for `child` to be ready; if it died first, or a stop was asked for meanwhile,
         stop every child and return the exit code (the set runs whole or not at all)."""
         while not ready.wait(0.5):
-            if child.exitcode is not None:
+            if child.exitcode is not None or self._stopping():  # a stop need not wait a load
                 break
         if ready.is_set() and not self._stopping():
             return None

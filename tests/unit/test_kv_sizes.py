@@ -3,6 +3,9 @@ turns a profiled engine's blocks back into the bytes that give them again."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -158,7 +161,9 @@ class _StandIn:
     """A worker process in a thread: waits for its turn, notes the KV bytes it was given, and
     is ready (or dies first, exit code 3)."""
 
-    def __init__(self, children: Any, index: int, dies: bool, dies_given: bool = False) -> None:
+    def __init__(
+        self, children: Any, index: int, dies: bool, dies_given: bool = False, stop: bool = False
+    ) -> None:
         import threading
 
         self.name, self.pid, self.exitcode = f"mmworker-{index}", None, None
@@ -174,6 +179,9 @@ class _StandIn:
             self.given = int(children.planned.value)
             # One after another: the next turn is set only once this one is ready.
             self.waited_alone = not all(t.is_set() for t in children.turns)
+            if stop:  # a SIGTERM to the supervisor while this engine loads
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)
             if dies or (dies_given and self.given):
                 self.exitcode = 3
             else:
@@ -189,7 +197,11 @@ class _StandIn:
 
 
 def _run_set(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: bool = False, dies_given: bool = False
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dies: bool = False,
+    dies_given: bool = False,
+    stop: bool = False,
 ) -> Any:
     from mmworker import app, processes
 
@@ -205,7 +217,7 @@ def _run_set(
 
     def spawn(self: Any, index: int, core: Any = None) -> tuple[Any, Any]:
         one = index == 1
-        made.append(_StandIn(self, index, dies=dies and one, dies_given=dies_given and one))
+        made.append(_StandIn(self, index, dies and one, dies_given and one, stop=stop and one))
         return made[-1], made[-1].ready
 
     monkeypatch.setattr(processes._Children, "spawn", spawn)
@@ -272,7 +284,27 @@ def test_a_set_that_fails_together_starts_again_in_turn(
     assert len(made) == 4, "the failed set, then a new one"
     assert made[1].exitcode == 3 and made[1].given == 25_383_993_344
     assert [c.given for c in made[2:]] == [0, 0]
-    assert made[2].waited_alone, "the new set's second engine waited for the first"
+    assert made[2].waited_alone, "the new set loads in turn: its first engine's turn came alone"
+
+
+def test_a_stop_during_a_together_load_starts_no_new_set_and_keeps_the_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the engines load together (a rolling update): the worker stops without
+    waiting out a load, and the size stays, so the next start loads together again."""
+    from mmworker import app
+    from mmworker.processes import child_config
+
+    _, _, cfg = _run_set(tmp_path, monkeypatch)
+    child = child_config(cfg, 0)
+    key = app.kv_size_key(child, app.make_engine(child))
+    assert key is not None
+    book = kv_sizes.book_for(cfg.cache.directory)
+    book.put(key, KvSize(43039, 25_383_993_344))
+    code, made, _ = _run_set(tmp_path, monkeypatch, dies_given=True, stop=True)
+    assert code != 0
+    assert len(made) == 2, "no new set after a stop"
+    assert book.get(key) == KvSize(43039, 25_383_993_344)
 
 
 def test_loading_together_is_the_default(tmp_path: Path) -> None:
