@@ -244,6 +244,8 @@ class _Children:
         self.planned: Any = self.ctx.Value("q", 0)
         self._stopping = stopping
         self._grace = cfg.limits.shutdown_grace_s + 60
+        #: pids a stop signal was sent to
+        self.signalled: set[int] = set()
 
     def spawn(self, index: int, core: CoreLink | None = None) -> tuple[BaseProcess, Event]:
         """Start child `index` (listed at once, so a signal reaches it); the event is set by the
@@ -264,8 +266,14 @@ class _Children:
         """Wait for `child` to be ready; if it died first, or a stop was asked for meanwhile,
         stop every child and return the exit code (the set runs whole or not at all)."""
         while not ready.wait(0.5):
-            if child.exitcode is not None or self._stopping():  # a stop need not wait a load
+            if child.exitcode is not None:
                 break
+            if self._stopping() and child.pid is not None and child.pid not in self.signalled:
+                # A stop that reached no process of this set (it came between a child's start
+                # and its listing, or went to a set replaced since): one SIGTERM, as `forward`
+                # gives (a second one would make the child exit at once, undrained).
+                os.kill(child.pid, signal.SIGTERM)
+                self.signalled.add(child.pid)
         if ready.is_set() and not self._stopping():
             return None
         log.error("%s did not start (exit %s)", child.name, child.exitcode)
@@ -292,6 +300,7 @@ class _Children:
         for child in self.procs:
             if child.pid is not None and child.exitcode is None:
                 os.kill(child.pid, signum)
+                self.signalled.add(child.pid)
 
     def terminate(self) -> None:
         """SIGTERM every child (they drain), then SIGKILL what is still there after the grace.

@@ -120,6 +120,18 @@ def test_a_stop_asked_for_during_start_up_ends_it_once_the_child_is_ready() -> N
     assert children.procs[0].exitcode == -15
 
 
+def test_a_stop_that_reached_no_child_is_passed_on_once_instead_of_waiting_out_its_load() -> None:
+    """A SIGTERM the supervisor took while no child of this set was listed (between a child's
+    start and its listing, or before a failed set was replaced) reaches the loading child once:
+    without it the stop waited for a full engine load (minutes), past Kubernetes' grace."""
+    children = _children(None, stopping=True)
+    loading = children.procs[0]  # sleeps 60 s: an engine load, never ready
+    started = time.monotonic()
+    assert children.start_failed(loading, children.ctx.Event()) == 128 + 15
+    assert time.monotonic() - started < 20, "the stop did not wait for the load"
+    assert loading.exitcode == -15 and loading.pid in children.signalled
+
+
 def test_once_consuming_the_first_child_to_exit_stops_the_others() -> None:
     children = _children(None, 4)
     # The stand-in killed by SIGTERM (143) outranks 4; real children drain and exit 0.
