@@ -15,7 +15,7 @@ from mmworker import hardware, health, heap_trim, kv_sizes, lifeline, logs
 from mmworker.broker_watch import quiet_connection_noise, watch_brokers
 from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, prune_lru_files
 from mmworker.config import WorkerConfig, cache_home
-from mmworker.engine import Engine, frontend, preload, resolve_model
+from mmworker.engine import Engine, frontend, model_info, preload, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import check_interrupted
 from mmworker.jobs import JobRunner
@@ -220,17 +220,37 @@ async def _serve(
     told: asyncio.Task[None] | None = None
     watching: asyncio.Task[None] | None = None
     try:
-        phases.begin(
-            f"{'loading the model' if turn is None else 'importing vLLM'} (the preprocessing "
-            "pool warms up beside it)"
-        )
+        looking: list[str] = []  # several processes: their supervisor has it taken before the turns
+        if turn is None and core is None:
+            model_path = resolve_model(cfg.engine.model, model_cache_dir())
+            looking = model_info.pending(model_path, cfg.engine.pixels_on_engine)
+        if looking:  # new vLLM caches: its look at the model class, beside the import
+            phases.begin("importing vLLM (its look at the model class and the preprocessing "
+                         "pool beside it)")  # fmt: skip
+        else:
+            phases.begin(
+                f"{'loading the model' if turn is None else 'importing vLLM'} (the preprocessing "
+                "pool warms up beside it)"
+            )
         warming = [cpu_pool.executor.submit(warm_up) for _ in range(cfg.preprocess.workers)]
         if create_topics:
             ensure_worker_topics(cfg.kafka, create_topics)
         lifeline.arm()  # vLLM's processes leave our process group and die with us
         heap_trim.start()  # freed heap memory goes back to the system (soak: flat memory)
         planned = 0
-        if turn is not None:
+        if looking:
+            inspecting = None
+            try:
+                inspecting = model_info.start(looking)  # after arm(): tied to us as vLLM's own
+                preload()
+                phases.begin("waiting for vLLM's look at the model class")
+                await asyncio.to_thread(inspecting.wait)
+            finally:
+                if inspecting is not None:
+                    inspecting.stop()  # a signal cut the start-up short
+            check_interrupted()
+            phases.begin("loading the model")
+        elif turn is not None:
             preload()  # in the main thread: an import may install signal handlers
             phases.begin("waiting for the turn to load the engine")
             planned = await asyncio.to_thread(turn)

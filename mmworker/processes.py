@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from mmworker import fast_defaults, hardware, health, kv_sizes, lifeline, logs
 from mmworker.config import WorkerConfig
+from mmworker.engine import model_info, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
@@ -104,8 +105,11 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
         # All start at once (imports, preprocessing pool); the engines load together if their
         # KV cache size is known, else one after another, since vLLM then sizes it from the
         # memory it sees free.
+        inspecting = _inspect_ahead(cfg)  # beside the children's imports, before any turn
         started = [children.spawn(index) for index in range(cfg.processes)]
         known = together_size(cfg)  # while the children import
+        if inspecting is not None and inspecting.wait():
+            log.info("vLLM's look at the model class taken beside the imports (new vLLM caches)")
         if known is None:
             return _in_turn(children, started)
         key, size = known
@@ -138,6 +142,14 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
             signal.signal(sig, handler)
         if server is not None:
             server.shutdown()
+
+
+def _inspect_ahead(cfg: WorkerConfig) -> model_info.Inspection | None:
+    from mmworker.app import model_cache_dir
+
+    return model_info.inspect_ahead(
+        resolve_model(cfg.engine.model, model_cache_dir()), cfg.engine.pixels_on_engine
+    )
 
 
 def _in_turn(children: _Children, started: list[tuple[BaseProcess, Event]]) -> int:

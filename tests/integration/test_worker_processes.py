@@ -58,7 +58,8 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
     assert len({p for p, _ in posted.where.values()}) == 3  # every partition has work
     collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
     extra = {"processes": 2, "metrics_port": port, "worker_id": "duo"}
-    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra) as worker:
+    fresh = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm")}  # the model class looked at: not kept
+    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra, fresh) as worker:
         ids = {key for key, _ in jobs}
         collector.wait_for(ids, 300, worker)
         answered_by = set()
@@ -78,6 +79,11 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
 
         first_ready = first("duo-0", "engine ready in")
         assert first("duo-1", "waiting for the turn to load the engine") < first_ready
+        # The supervisor had vLLM's look at the model class taken beside the children's imports
+        # (before the first turn), so no engine started that look of its own.
+        looked = next(i for i, ln in enumerate(lines) if "look at the model class taken" in ln)
+        assert looked < first("duo-0", "loading the model now"), worker.log()
+        assert list((tmp_path / "vllm" / "modelinfos").glob("*.json"))
         assert first("duo-1", "loading the model now that the engine before") > first_ready
         # Each child serves its own metrics on port + 1 + index; together they count every job,
         # and the supervisor's port carries both (labelled) and answers the probes for both.

@@ -64,14 +64,15 @@ class WorkerProcess:
 
     def __init__(
         self, bootstrap: str, workdir: Path, topics: dict[str, str], group: str,
-        extra: dict[str, object] | None = None,
+        extra: dict[str, object] | None = None, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.log_path = workdir / f"worker-{uuid.uuid4().hex[:6]}.log"
         self.cmd = worker_command(bootstrap, workdir, topics, group, extra)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env = env or {}
 
     def __enter__(self) -> WorkerProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         with self.log_path.open("wb") as log:
             # Own process group: a SIGKILL then takes the engine core with it, as a container
             # runtime would, instead of leaving an orphaned engine behind.
