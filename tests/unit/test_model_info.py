@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mmworker.app import model_cache_dir
-from mmworker.engine import model_info, pixels, resolve_model
+from mmworker.engine import model_info, pixels
 
 
 def _model(directory: Path, archs: list[str]) -> str:
@@ -69,7 +68,8 @@ def test_vllm_reads_the_answer_taken_ahead_instead_of_starting_its_own_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
-    model = resolve_model("tiny", model_cache_dir())
+    # A config.json is all the look reads: the tiny model itself may not be built yet here.
+    model = _model(tmp_path / "q", ["Qwen2_5_VLForConditionalGeneration"])
     inspecting = model_info.inspect_ahead(model, pixels_on_engine=True)
     assert inspecting is not None, "new caches: the look is taken"
     inspecting.wait()
