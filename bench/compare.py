@@ -254,6 +254,11 @@ def stage_argv(
     return [*passthrough, *own, *(["--peers-from", str(peers_from)] if peers_from else [])]
 
 
+def finished(report: dict[str, Any] | None) -> bool:
+    """bench/e2e.py writes its report after every stage; one cut off mid-way says `partial`."""
+    return bool(report and report.get("ok") and not report.get("partial"))
+
+
 def load(path: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads(path.read_text())
@@ -281,7 +286,7 @@ def run_stage(stage: str, argv: list[str], out: Path) -> dict[str, Any]:
         "rc": rc,
         "wall_s": round(time.monotonic() - t0, 1),
         "report": report,
-        "ok": error is None and bool(report and report.get("ok")),
+        "ok": error is None and finished(report),
         "error": error,
     }
 
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         peers_from = peers1 if (stages.get("peers1") or {}).get("report") else None
         stage_args = stage_argv(stage, passthrough, out, work_dir, peers_from)
         earlier = load(out) if args.resume else None
-        if earlier and earlier.get("ok"):
+        if finished(earlier):
             print(f"=== compare: {stage}: reusing {out}", flush=True)
             rec = {"argv": stage_args, "json": str(out), "rc": 0, "wall_s": 0.0}
             stages[stage] = {**rec, "report": earlier, "ok": True, "error": None, "reused": True}

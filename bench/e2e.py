@@ -179,6 +179,16 @@ def main(argv: list[str] | None = None, defaults: Options | None = None) -> int:
 # Orchestration
 
 
+def save(report: dict[str, Any], out: Path, partial: bool = True) -> None:
+    """Written after every stage, not only at the end: a device call cut off by its time limit
+    still returns the peers and passes it finished (session 28 lost a whole 600 s call's rows to
+    one late warm pass). `partial` stays in the file until the last write."""
+    report["rows"] = table_rows(report)
+    report["partial"] = partial
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+
+
 def run(opts: Options) -> dict[str, Any]:
     from mmworker.devkit.broker import EmbeddedBroker, free_port
 
@@ -234,6 +244,7 @@ def run(opts: Options) -> dict[str, Any]:
                 report["ok"] = False
                 report["errors"].append(f"peers: {exc}")
                 print(f"peers failed: {exc}", file=sys.stderr, flush=True)
+            save(report, opts.out)
         engines = raw_engines.count_for(opts)
         earlier = (report["peers"].get("raw_engines") or {}).get("engines")
         if engines and not opts.skip_raw and earlier != engines:
@@ -245,6 +256,7 @@ def run(opts: Options) -> dict[str, Any]:
                 report["ok"] = False
                 report["errors"].append(f"{raw_engines.label(engines)}: {exc}")
                 print(f"{raw_engines.label(engines)} failed: {exc}", file=sys.stderr, flush=True)
+            save(report, opts.out)
         passes = [(name, False) for name in opts.passes]
         passes += [("profiled", True)] if opts.profile else []
         for name, profiling in passes:
@@ -267,9 +279,8 @@ def run(opts: Options) -> dict[str, Any]:
                 print(f"worker pass {name} failed: {exc}", file=sys.stderr, flush=True)
                 continue
             report["profiled" if profiling else "worker"][name] = doc
-    report["rows"] = table_rows(report)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(report, indent=2, default=str))
+            save(report, opts.out)
+    save(report, opts.out, partial=False)
     if not opts.keep and opts.work_dir is None:  # logs stay for a look; caches are big
         for child in work.glob("features*"):
             shutil.rmtree(child, ignore_errors=True)

@@ -61,7 +61,7 @@ stage=${1:?stage}
 shift
 
 ok() {  # the report exists and bench/e2e.py called it ok
-    python3 -c "import json, sys; sys.exit(0 if json.load(open('$1')).get('ok') else 1)" \
+    python3 -c "import json, sys; d = json.load(open('$1')); sys.exit(0 if d.get('ok') and not d.get('partial') else 1)" \
         2>/dev/null
 }
 

@@ -362,3 +362,27 @@ def test_main_runs_five_stages_rewrites_the_report_and_resume_skips_finished_one
         "peers2",
     ]
     assert c["kinds"]["video"]["worker_rows"][2]["ratio_vs_best"] == 2.0
+
+
+def test_resume_runs_again_a_stage_whose_report_was_cut_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/e2e.py writes its report after every stage, so a call killed by the device's time
+    limit leaves one with `ok` still true; `partial` marks it, and --resume must not reuse it."""
+    p1 = peers_report({"image": 10.0, "video": 2.0})
+    (tmp_path / "t-peers1.json").write_text(json.dumps({**p1, "partial": True}))
+    (tmp_path / "fake.json").write_text(json.dumps(p1))
+    e2e = tmp_path / "e2e.py"
+    e2e.write_text(  # every stage writes a whole report, then fails: a rerun shows as its error
+        "import shutil, sys\n"
+        f"shutil.copy({str(tmp_path / 'fake.json')!r}, sys.argv[sys.argv.index('--out') + 1])\n"
+        "raise SystemExit(1)\n"
+    )
+    monkeypatch.setattr(compare, "E2E", e2e)
+    args = ["--out-dir", str(tmp_path), "--name", "t", "--images", "40", "--videos", "2"]
+    assert compare.main([*args, "--resume"]) == 1
+    c = json.loads((tmp_path / "t.json").read_text())
+    assert not c["stages"]["peers1"].get("reused")
+    assert c["stages"]["peers1"]["error"] == "bench/e2e.py exited 1"
+    assert compare.finished({"ok": True, "partial": True}) is False
+    assert compare.finished({"ok": True, "partial": False}) is True
