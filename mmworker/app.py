@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -198,7 +197,7 @@ async def _serve(
     cpu_pool = DecodePool(
         lambda workers: ProcessPoolExecutor(
             workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=lifeline.PoolContext(),
             initializer=lifeline.pool_child,
             initargs=(cfg.log_level, cfg.logging.format),
         ),

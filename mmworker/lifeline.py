@@ -124,6 +124,27 @@ def install() -> None:
         log.debug("engine process %d keeps its process group", os.getpid())
 
 
+class _SpawnWithSigintHeld(multiprocessing.context.SpawnProcess):
+    """A pool process that starts with SIGINT blocked: a Ctrl-C in its first second (a new
+    interpreter importing the worker's modules, before `pool_child` ignores SIGINT) waits in
+    the mask instead of raising KeyboardInterrupt in multiprocessing's bootstrap, which printed
+    a traceback and broke the pool. The mask is the starting thread's, kept across fork and exec;
+    that thread gets its own back at once (a SIGINT held meanwhile is delivered then)."""
+
+    def start(self) -> None:
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class PoolContext(multiprocessing.context.SpawnContext):
+    """`spawn` (no inherited engine threads or CUDA state), SIGINT held until `pool_child`."""
+
+    Process = _SpawnWithSigintHeld
+
+
 def pool_child(level: str = "INFO", fmt: str = "text") -> None:
     """Initializer of the worker's preprocessing processes: the same ties as the engine's,
     SIGINT ignored (a Ctrl-C would otherwise break the pool under the jobs still draining), and
@@ -133,6 +154,7 @@ def pool_child(level: str = "INFO", fmt: str = "text") -> None:
 
     logs.setup(level, fmt="json" if fmt == "json" else "text")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since start: now dropped
     die_with_parent()
     heap_trim.start()
     try:
