@@ -992,6 +992,7 @@ class Poster:
             kafka = self._cfg.kafka
             self._producer = KafkaProducer(
                 acks="all", linger_ms=20, max_block_ms=kafka.max_block_ms,
+                enable_idempotence=kafka.enable_idempotence,
                 max_request_size=kafka.max_request_size, **kafka.client_kwargs(),
             )  # fmt: skip
         futures = [self._producer.send(self.topic, key=k.encode(), value=v) for k, v, _ in batch]

@@ -184,7 +184,8 @@ class Client:
             kafka = self.cfg.kafka
             self._producer = KafkaProducer(
                 acks="all", linger_ms=20, max_request_size=kafka.max_request_size,
-                max_block_ms=kafka.max_block_ms, **kafka.client_kwargs(),
+                max_block_ms=kafka.max_block_ms, enable_idempotence=kafka.enable_idempotence,
+                **kafka.client_kwargs(),
             )  # fmt: skip
         return self._producer
 

@@ -117,6 +117,15 @@ class KafkaConfig(_Section):
         None, description="Producer compression of results and failures"
     )
     linger_ms: int = Field(5, ge=0, description="Producer batching delay")
+    enable_idempotence: bool = Field(
+        True,
+        description="Idempotent producers (answers, failures, posted jobs): a batch retried after "
+        "a lost connection is written once. Turn it off for a broker that records a producer's "
+        "sequence number before the batch itself, as Tansu on S3 (the embedded test broker) "
+        "does: a batch cut off by its restart is answered 'duplicate' on the retry, which the "
+        "client takes as delivered, and the answer is lost. Off, a retry can write an answer "
+        "twice; readers drop the second by job id",
+    )
     max_block_ms: int = Field(
         5_000,
         ge=100,

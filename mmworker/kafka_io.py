@@ -112,7 +112,7 @@ def keep_finished_joins(consumer: KafkaConsumer) -> None:
 def make_producer(cfg: KafkaConfig) -> KafkaProducer:
     return KafkaProducer(
         acks="all",
-        enable_idempotence=True,
+        enable_idempotence=cfg.enable_idempotence,
         linger_ms=cfg.linger_ms,
         max_block_ms=cfg.max_block_ms,
         max_request_size=cfg.max_request_size,

@@ -183,6 +183,7 @@ def _post(cfg: WorkerConfig, topic: str, todo: list[tuple[str, Failure, tuple[in
 
     producer = KafkaProducer(
         acks="all", linger_ms=20, max_block_ms=cfg.kafka.max_block_ms,
+        enable_idempotence=cfg.kafka.enable_idempotence,
         max_request_size=cfg.kafka.max_request_size, **cfg.kafka.client_kwargs(),
     )  # fmt: skip
     dlq = cfg.kafka.dead_letter_topic
