@@ -7,6 +7,7 @@
 #   bash bench/gpu/session.sh worker NAME PEERS PASSES [--set K=V ...] [--processes N]
 #   bash bench/gpu/session.sh compare NAME [--set K=V ...]         # all of it: bench/compare.py
 #   bash bench/gpu/session.sh startup KINDS [--set K=V ...]        # bench/startup.py, cold+warm
+#   bash bench/gpu/session.sh kernels [--videos N] [--set K=V ...]  # GPU time by kernel family
 #
 # A worker row must get exactly the --set flags its PEERS file ran with (bench/e2e.py's peers take
 # the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
@@ -123,6 +124,14 @@ startup)  # bench/startup.py: KINDS (comma list) cold then warm; again with othe
     for d in /tmp/startup/*/compile; do  # vllm_cache_root, triton_cache_dir, ...: see above
         [[ -d $d ]] && cp -rn "$d"/. "$cc"/
     done
+    ;;
+kernels)  # bench/kernel_profile.py: one plain engine's GPU time by kernel on a batch of clips
+    SETUP_ONLY=1 bash bench/gpu/run.sh
+    sample_gpu "$res/smi-kernels.csv"
+    # The traces (large) stay on the machine; the summary comes back.
+    python3 bench/kernel_profile.py --model "$model" --load-format dummy --max-model-len 8192 \
+        --out-dir /tmp/kernels "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
+    cp /tmp/kernels/kernel-profile.json "$res/kernel-profile.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
