@@ -128,8 +128,9 @@ startup)  # bench/startup.py: KINDS (comma list) cold then warm; again with othe
 kernels)  # bench/kernel_profile.py: one plain engine's GPU time by kernel on a batch of clips
     SETUP_ONLY=1 bash bench/gpu/run.sh
     sample_gpu "$res/smi-kernels.csv"
-    # The traces (large) stay on the machine; the summary comes back.
-    python3 bench/kernel_profile.py --model "$model" --load-format dummy --max-model-len 8192 \
+    # The traces (large) stay on the machine; the summary comes back. Writing a trace when the
+    # profiler stops can outlast vLLM's RPC timeout (its profiling docs raise it the same way).
+    VLLM_RPC_TIMEOUT=1800000 python3 bench/kernel_profile.py --model "$model" --load-format dummy --max-model-len 8192 \
         --out-dir /tmp/kernels "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
     cp /tmp/kernels/kernel-profile.json "$res/kernel-profile.json"
     ;;
