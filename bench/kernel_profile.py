@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.warm_up(llm, tokenizer, sampling, prepared)
     report: dict[str, Any] = {"environment": environment(), "engine_kwargs": kwargs,
                               "preprocess": facts, "kinds": {}}  # fmt: skip
+    seen: set[str] = set()  # traces of the kinds profiled before
     for kind in ("video", "image"):
         if not prepared[kind]:
             continue
@@ -169,19 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         llm.stop_profile()
         report["kinds"][kind] = {"jobs": len(outs), "wall_s": round(wall, 2),
                                  "jobs_per_s": round(len(outs) / wall, 2)}  # fmt: skip
-        # The core writes its trace as the profiler stops; wait for it, then summarise the
-        # newest one (one per kind: the previous kind's is older).
+        # The core writes its trace as the profiler stops: wait for this kind's.
         deadline = time.monotonic() + 300
-        seen = {t.name for k in report["kinds"].values() for t in k.get("_traces", [])}
         new: list[Path] = []
         while not new and time.monotonic() < deadline:
-            new = [t for t in trace_dir.glob("*.json*") if t.name not in seen]
+            new = sorted(t for t in trace_dir.glob("*.json*") if t.name not in seen)
             time.sleep(1)
-        report["kinds"][kind]["_traces"] = new
-        report["kinds"][kind]["profiles"] = [summarise(t) for t in sorted(new)]
+        seen.update(t.name for t in new)
+        report["kinds"][kind]["traces"] = [t.name for t in new]
+        report["kinds"][kind]["profiles"] = [summarise(t) for t in new]
     raw.shutdown(llm)
-    for doc in report["kinds"].values():
-        doc["traces"] = [t.name for t in doc.pop("_traces")]
     out = ns.out_dir / "kernel-profile.json"
     out.write_text(json.dumps(report, indent=1, default=str))
     for kind, doc in report["kinds"].items():

@@ -987,14 +987,9 @@ class Poster:
 
     def _send(self, batch: list[tuple[str, bytes, str | None]]) -> None:
         if self._producer is None:
-            from kafka import KafkaProducer
+            from mmworker.kafka_io import posting_producer
 
-            kafka = self._cfg.kafka
-            self._producer = KafkaProducer(
-                acks="all", linger_ms=20, max_block_ms=kafka.max_block_ms,
-                enable_idempotence=kafka.enable_idempotence,
-                max_request_size=kafka.max_request_size, **kafka.client_kwargs(),
-            )  # fmt: skip
+            self._producer = posting_producer(self._cfg.kafka)
         futures = [self._producer.send(self.topic, key=k.encode(), value=v) for k, v, _ in batch]
         self._producer.flush(timeout=30)
         for future in futures:

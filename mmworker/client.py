@@ -45,6 +45,7 @@ from mmworker_schemas import Failure, Job, Result
 from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
+from mmworker.kafka_io import posting_producer
 
 log = logging.getLogger(__name__)
 
@@ -181,12 +182,7 @@ class Client:
     @property
     def producer(self) -> KafkaProducer:
         if self._producer is None:
-            kafka = self.cfg.kafka
-            self._producer = KafkaProducer(
-                acks="all", linger_ms=20, max_request_size=kafka.max_request_size,
-                max_block_ms=kafka.max_block_ms, enable_idempotence=kafka.enable_idempotence,
-                **kafka.client_kwargs(),
-            )  # fmt: skip
+            self._producer = posting_producer(self.cfg.kafka)
         return self._producer
 
     # -- reading ---------------------------------------------------------------------------

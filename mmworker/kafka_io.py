@@ -121,6 +121,20 @@ def make_producer(cfg: KafkaConfig) -> KafkaProducer:
     )
 
 
+def posting_producer(cfg: KafkaConfig) -> KafkaProducer:
+    """The producer of the commands that post jobs (`submit`, `backfill`, `replay`): a short
+    linger (they send in bursts and wait for every acknowledgement), no compression, and the
+    worker's own acknowledgement and idempotence settings."""
+    return KafkaProducer(
+        acks="all",
+        enable_idempotence=cfg.enable_idempotence,
+        linger_ms=20,
+        max_block_ms=cfg.max_block_ms,
+        max_request_size=cfg.max_request_size,
+        **cfg.client_kwargs(),
+    )
+
+
 def post_acknowledged(
     producer: KafkaProducer,
     topic: str,

@@ -177,15 +177,9 @@ def scan(cfg: WorkerConfig, selection: Selection) -> Scan:
 def _post(cfg: WorkerConfig, topic: str, todo: list[tuple[str, Failure, tuple[int, int]]]) -> None:
     """Send each payload keyed by its job id, with a header naming the dead-letter record it
     came from, and wait until the broker has them all."""
-    from kafka import KafkaProducer
+    from mmworker.kafka_io import post_acknowledged, posting_producer
 
-    from mmworker.kafka_io import post_acknowledged
-
-    producer = KafkaProducer(
-        acks="all", linger_ms=20, max_block_ms=cfg.kafka.max_block_ms,
-        enable_idempotence=cfg.kafka.enable_idempotence,
-        max_request_size=cfg.kafka.max_request_size, **cfg.kafka.client_kwargs(),
-    )  # fmt: skip
+    producer = posting_producer(cfg.kafka)
     dlq = cfg.kafka.dead_letter_topic
     records = [
         (key.encode(), replay_payload(failure), [("mmworker-replay-of", f"{dlq}/{p}/{o}".encode())])

@@ -130,8 +130,8 @@ kernels)  # bench/kernel_profile.py: one plain engine's GPU time by kernel on a 
     sample_gpu "$res/smi-kernels.csv"
     # The traces (large) stay on the machine; the summary comes back. Writing a trace when the
     # profiler stops can outlast vLLM's RPC timeout (its profiling docs raise it the same way).
-    VLLM_RPC_TIMEOUT=1800000 python3 bench/kernel_profile.py --model "$model" --load-format dummy --max-model-len 8192 \
-        --out-dir /tmp/kernels "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
+    VLLM_RPC_TIMEOUT=1800000 python3 bench/kernel_profile.py --model "$model" \
+        --load-format dummy --max-model-len 8192 --out-dir /tmp/kernels "$@" 2>&1 | grep -v " INFO \| WARNING " | tail -60
     cp /tmp/kernels/kernel-profile.json "$res/kernel-profile.json"
     ;;
 *)
