@@ -581,7 +581,7 @@ def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(mmworker.client, "KafkaProducer", make_producer)
+    monkeypatch.setattr(mmworker.kafka_io, "KafkaProducer", make_producer)
     monkeypatch.setattr(mmworker.client, "KafkaConsumer", Consumer)
     photo = tmp_path / "photo.jpg"
     photo.write_bytes(sample_image(seed=2))
