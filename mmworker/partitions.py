@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kafka.errors import IllegalStateError
+from kafka.errors import IllegalStateError, KafkaError
 
 from mmworker.checkpoints import Checkpoints
 from mmworker.flow import FlowLimits, Plan, plan_pauses
@@ -27,6 +27,11 @@ from mmworker.suspects import Suspects
 
 #: The worker's own name, whichever of its parts logs: operators filter its lines on it.
 log = logging.getLogger("mmworker.worker")
+
+#: How often, at most, the partitions whose news is stuck in the fetcher's queue are asked for
+#: their end offsets (`Partitions._waiting`), and how long one ask may hold the Kafka thread.
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_MS = 200
 
 
 class Partitions:
@@ -46,6 +51,9 @@ class Partitions:
         self.owned: set[Any] = set()
         #: Assigned, and paused until the suspects topic has been read (`check_suspects`).
         self.unchecked: list[Any] = []
+        #: End offsets asked of the broker (`_waiting`), and when they were last asked.
+        self._ends: dict[Any, int] = {}
+        self._asked_at = -PROBE_INTERVAL_S
 
     def listener(self) -> RebalanceListener:
         return RebalanceListener(self.on_revoked, self.on_lost, self.on_assigned)
@@ -110,13 +118,36 @@ class Partitions:
         return plan
 
     def _waiting(self, owned: set[Any]) -> list[Any]:
-        """The owned partitions that may have records not handed out yet."""
-        waiting = []
-        unparsed = unparsed_highwater(self._consumer)
-        for tp in owned:
+        """The owned partitions that may have records not handed out yet.
+
+        What the fetcher knows of a partition can be old: after a stall (the worker frozen,
+        the Kafka thread held up) the first fetch response brings one partition's new records
+        together with the others' answers from before they filled, saying "empty". Queued
+        behind the first partition's batch, those answers keep their partitions from being
+        fetched again until the batch is drained, so fair shares see one partition waiting and
+        hand it the whole worker (tests/unit/test_worker_fairness.py, the stall). While some
+        partition has records and others have only such a queued answer, their end offsets
+        are asked of the broker, at most once a `PROBE_INTERVAL_S`."""
+        marks = unparsed_highwater(self._consumer)
+        self._ends = {tp: end for tp, end in self._ends.items() if tp in owned}
+        for tp, end in self._ends.items():
+            marks[tp] = max(marks.get(tp, end), end)
+        waiting = [tp for tp in owned if self._may_have_records(tp, marks)]
+        queued = [tp for tp in owned if tp in marks and tp not in waiting]
+        now = time.monotonic()
+        if waiting and queued and now - self._asked_at >= PROBE_INTERVAL_S:
+            self._asked_at = now
             try:
-                if may_have_records(self._consumer, tp, unparsed):
-                    waiting.append(tp)
-            except IllegalStateError:  # revoked meanwhile
-                continue
+                ends = self._consumer.end_offsets(queued, timeout_ms=PROBE_TIMEOUT_MS)
+            except KafkaError as exc:  # only the knowledge is missed: the old rule holds
+                log.debug("end offsets of %s not read: %r", queued, exc)
+            else:
+                self._ends.update(ends)
+                waiting += [tp for tp in queued if self._may_have_records(tp, ends)]
         return waiting
+
+    def _may_have_records(self, tp: Any, marks: dict[Any, int]) -> bool:
+        try:
+            return may_have_records(self._consumer, tp, marks)
+        except IllegalStateError:  # revoked meanwhile
+            return False
