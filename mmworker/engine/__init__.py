@@ -26,7 +26,7 @@ from PIL import Image
 
 from mmworker import lifeline
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
-from mmworker.engine import frontend, pixels, shared_core
+from mmworker.engine import compile_key, frontend, pixels, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
@@ -139,10 +139,15 @@ class Engine:
     def _start(self) -> None:
         engine_process_env(first_start=_CORES_STARTED["count"] == 0)
         from transformers import AutoTokenizer
+        from vllm.config.cache import CacheConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Here, not only in the plugin: a forked core inherits this process's classes and never
+        # runs the plugins again (vLLM loads them once per process), and this process may have
+        # loaded them before the worker armed its lifeline.
+        compile_key.ignore_kv_size(CacheConfig)
         t0 = time.monotonic()
         if self._core is not None:
             self._llm = shared_core.attach(
