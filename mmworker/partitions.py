@@ -128,12 +128,13 @@ class Partitions:
         hand it the whole worker (tests/unit/test_worker_fairness.py, the stall). While some
         partition has records and others have only such a queued answer, their end offsets
         are asked of the broker, at most once a `PROBE_INTERVAL_S`."""
-        marks = unparsed_highwater(self._consumer)
+        unparsed = unparsed_highwater(self._consumer)
+        marks = dict(unparsed)
         self._ends = {tp: end for tp, end in self._ends.items() if tp in owned}
         for tp, end in self._ends.items():
             marks[tp] = max(marks.get(tp, end), end)
         waiting = [tp for tp in owned if self._may_have_records(tp, marks)]
-        queued = [tp for tp in owned if tp in marks and tp not in waiting]
+        queued = [tp for tp in owned if tp in unparsed and tp not in waiting]
         now = time.monotonic()
         if waiting and queued and now - self._asked_at >= PROBE_INTERVAL_S:
             self._asked_at = now

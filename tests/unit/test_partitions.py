@@ -96,6 +96,19 @@ def test_the_broker_is_asked_at_most_once_an_interval_and_its_answer_kept(
     assert consumer.asked == [[P1, P2], [P2]]  # 1 is waiting already: not asked again
 
 
+def test_once_the_queue_is_parsed_nothing_more_is_asked(clock: list[float]) -> None:
+    """A busy partition beside idle ones: their answers, once parsed, are news again."""
+    consumer = woken()
+    consumer.ends[P1] = 1  # 1 stayed empty too
+    parts = owner(consumer)
+    assert parts._waiting({P0, P1, P2}) == [P0]
+    consumer._fetcher._completed_fetches.clear()
+    for _ in range(3):
+        clock[0] += PROBE_INTERVAL_S
+        assert parts._waiting({P0, P1, P2}) == [P0]
+    assert consumer.asked == [[P1, P2]]
+
+
 def test_nothing_is_asked_while_no_partition_has_records_ahead_of_the_queue(
     clock: list[float],
 ) -> None:
