@@ -39,6 +39,10 @@ from bench.peers import raw  # noqa: E402
 FAMILIES = [
     ("attention", r"flash|fmha|attn|attention|softmax"),
     ("quantize (fp8)", r"quant"),
+    # Inductor names a fused kernel after the ops it took in: the ones that scale activations to
+    # FP8 for vLLM's scaled_mm carry its name, but are Triton, not the GEMM (session 29's first
+    # FP8 profile counted 349 ms of them as GEMM).
+    ("quantize (fp8)", r"^triton_.*scaled_mm"),
     ("gemm", r"gemm|cutlass|cublas|sm90_xmma|nvjet|matmul|_mm_|scaled_mm"),
     ("conv (patch embed)", r"conv|implicit_gemm"),
     ("norm", r"norm"),

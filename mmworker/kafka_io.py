@@ -459,6 +459,41 @@ def unparsed_highwater(consumer: Any) -> dict[Any, int]:
     return marks
 
 
+def queued_answers(consumer: Any) -> set[Any]:
+    """The partitions with a fetch answer queued in the fetcher, not parsed yet: they are not
+    fetched again until poll reaches it. The answers set aside for paused partitions are left
+    out: those wait for the partition to resume, whatever the broker holds meanwhile. Private
+    API of the pinned release, hence here."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    return {completed.topic_partition for completed in getattr(fetcher, "_completed_fetches", ())}
+
+
+def ask_end_offsets(consumer: Any, partitions: list[Any], timeout_ms: int) -> Any:
+    """Send a ListOffsets request (latest) for the partitions and return at once: kafka-python's
+    Future, settled on its network thread (`end_offsets_answered` reads it).
+
+    Not `KafkaConsumer.end_offsets`: that blocks the thread that polls until the answer comes or
+    the time is up (on Apache Kafka a request waits behind the connection's long-polling fetch),
+    and it raises KeyError for a partition whose leader is unknown (left out of the request,
+    then read from the answer). Private API of the pinned release, hence here."""
+    from kafka.protocol.consumer import OffsetSpec
+
+    fetcher = consumer._fetcher
+    latest = dict.fromkeys(partitions, OffsetSpec.LATEST)
+    return fetcher._manager.call_soon(fetcher._fetch_offsets_by_times_async, latest, timeout_ms)
+
+
+def end_offsets_answered(asked: Any) -> dict[Any, int] | None:
+    """What an `ask_end_offsets` got: None while it is unanswered, {} if it failed, else the
+    end offset of each partition the broker answered for."""
+    if not asked.is_done:
+        return None
+    if asked.exception is not None:
+        log.debug("end offsets not read: %r", asked.exception)
+        return {}
+    return {tp: answer.offset for tp, answer in asked.value.items() if answer.offset >= 0}
+
+
 def may_have_records(consumer: Any, tp: Any, unparsed: dict[Any, int] | None = None) -> bool:
     """Whether the partition may have records this consumer has not handed out yet: its
     high-water mark (`unparsed_highwater` included) past its position, or either not known

@@ -17,11 +17,18 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kafka.errors import IllegalStateError, KafkaError
+from kafka.errors import IllegalStateError
 
 from mmworker.checkpoints import Checkpoints
 from mmworker.flow import FlowLimits, Plan, plan_pauses
-from mmworker.kafka_io import RebalanceListener, may_have_records, unparsed_highwater
+from mmworker.kafka_io import (
+    RebalanceListener,
+    ask_end_offsets,
+    end_offsets_answered,
+    may_have_records,
+    queued_answers,
+    unparsed_highwater,
+)
 from mmworker.offsets import TopicPartition
 from mmworker.suspects import Suspects
 
@@ -29,9 +36,10 @@ from mmworker.suspects import Suspects
 log = logging.getLogger("mmworker.worker")
 
 #: How often, at most, the partitions whose news is stuck in the fetcher's queue are asked for
-#: their end offsets (`Partitions._waiting`), and how long one ask may hold the Kafka thread.
+#: their end offsets (`Partitions._waiting`), and how long one ask may wait for its answer (on
+#: kafka-python's network thread: nothing waits for it meanwhile).
 PROBE_INTERVAL_S = 1.0
-PROBE_TIMEOUT_MS = 200
+PROBE_TIMEOUT_MS = 5000
 
 
 class Partitions:
@@ -51,9 +59,11 @@ class Partitions:
         self.owned: set[Any] = set()
         #: Assigned, and paused until the suspects topic has been read (`check_suspects`).
         self.unchecked: list[Any] = []
-        #: End offsets asked of the broker (`_waiting`), and when they were last asked.
+        #: End offsets asked of the broker (`_waiting`), when they were last asked, and the
+        #: ask not answered yet.
         self._ends: dict[Any, int] = {}
         self._asked_at = -PROBE_INTERVAL_S
+        self._asking: Any = None
 
     def listener(self) -> RebalanceListener:
         return RebalanceListener(self.on_revoked, self.on_lost, self.on_assigned)
@@ -127,24 +137,24 @@ class Partitions:
         fetched again until the batch is drained, so fair shares see one partition waiting and
         hand it the whole worker (tests/unit/test_worker_fairness.py, the stall). While some
         partition has records and others have only such a queued answer, their end offsets
-        are asked of the broker, at most once a `PROBE_INTERVAL_S`."""
+        are asked of the broker, at most once a `PROBE_INTERVAL_S`; the answer counts from the
+        first call after it came."""
+        if self._asking is not None and (answer := end_offsets_answered(self._asking)) is not None:
+            self._asking = None
+            self._ends.update(answer)
         unparsed = unparsed_highwater(self._consumer)
         marks = dict(unparsed)
         self._ends = {tp: end for tp, end in self._ends.items() if tp in owned}
         for tp, end in self._ends.items():
             marks[tp] = max(marks.get(tp, end), end)
         waiting = [tp for tp in owned if self._may_have_records(tp, marks)]
-        queued = [tp for tp in owned if tp in unparsed and tp not in waiting]
         now = time.monotonic()
-        if waiting and queued and now - self._asked_at >= PROBE_INTERVAL_S:
-            self._asked_at = now
-            try:
-                ends = self._consumer.end_offsets(queued, timeout_ms=PROBE_TIMEOUT_MS)
-            except KafkaError as exc:  # only the knowledge is missed: the old rule holds
-                log.debug("end offsets of %s not read: %r", queued, exc)
-            else:
-                self._ends.update(ends)
-                waiting += [tp for tp in queued if self._may_have_records(tp, ends)]
+        if waiting and self._asking is None and now - self._asked_at >= PROBE_INTERVAL_S:
+            stuck = queued_answers(self._consumer)
+            queued = [tp for tp in owned if tp in stuck and tp not in waiting]
+            if queued:
+                self._asked_at = now
+                self._asking = ask_end_offsets(self._consumer, queued, PROBE_TIMEOUT_MS)
         return waiting
 
     def _may_have_records(self, tp: Any, marks: dict[Any, int]) -> bool:

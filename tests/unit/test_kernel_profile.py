@@ -45,6 +45,9 @@ def test_busy_time_and_families() -> None:
     assert busy_us([(0, 10), (5, 20), (30, 40)]) == 30
     assert busy_us([]) == 0
     assert family("triton_poi_fused_add_mul_0") == "triton (compiled)"
+    fp8_input = "triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_div_max_mul_reciprocal_3"
+    assert family(fp8_input) == "quantize (fp8)"
+    assert family("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8<>") == "gemm"
     assert family("void at::native::vectorized_elementwise_kernel") == "copy/cat/index"
     assert family("_Z13rms_norm_kernel") == "norm"
     assert family("something_new") == "other"

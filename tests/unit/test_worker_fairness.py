@@ -91,7 +91,7 @@ def test_a_worker_woken_from_a_stall_serves_every_partition_within_the_first_qua
     those answers keep them from being fetched again until it is drained. Before the worker
     asked their end offsets (`partitions.Partitions._waiting`) it answered {0: 100, 1: 0, 2: 0,
     3: 0} here in 3 runs of 4 (in the fourth the fetch in flight had answered before partition 0
-    filled); after, the smallest share was 16 of the 100 in each of 4 runs."""
+    filled); after, the smallest share was 16 of the 100 in each of 7 runs."""
     tag = uuid.uuid4().hex[:6]
     cfg = load_config(
         kafka={"bootstrap_servers": broker.bootstrap, "group_id": f"stall-{tag}",
