@@ -13,12 +13,13 @@ import json
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 from kafka import KafkaProducer
 from mmworker_schemas import SourceCoords
 
-from mmworker.config import load_config
+from mmworker.config import WorkerConfig, load_config
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.exits import ExitCode
 from mmworker.kafka_io import ensure_worker_topics
@@ -35,18 +36,36 @@ PARTITIONS = 4
 PER_PARTITION = 150
 
 
+def config(broker: EmbeddedBroker, name: str, max_in_flight: int, **kafka: Any) -> WorkerConfig:
+    """A worker of its own group and topics on the shared broker, committing often."""
+    tag = f"{name}-{uuid.uuid4().hex[:6]}"
+    return load_config(
+        kafka={"bootstrap_servers": broker.bootstrap, "group_id": tag,
+               "input_topic": f"{tag}.in", "output_topic": f"{tag}.out",
+               "dead_letter_topic": f"{tag}.dlq", "suspects_topic": f"{tag}.sus",
+               "commit_interval_s": 0.05, **GROUP_SETTINGS, **kafka},
+        limits={"shutdown_grace_s": 2, "max_in_flight": max_in_flight},
+    )  # fmt: skip
+
+
+async def until_answered(order: list[int], count: int, task: asyncio.Task[int]) -> None:
+    while len(order) < count:
+        assert not task.done(), task
+        await asyncio.sleep(0.05)
+
+
+def first_quarter(order: list[int], total: int) -> dict[int, int]:
+    quarter = order[: total // 4]
+    served = {p: quarter.count(p) for p in range(PARTITIONS)}
+    print("answers per partition in the first quarter:", served)
+    return served
+
+
 @pytest.mark.timeout(180)
 def test_a_saturated_worker_serves_every_partition_within_the_first_quarter(
     broker: EmbeddedBroker,
 ) -> None:
-    tag = uuid.uuid4().hex[:6]
-    cfg = load_config(
-        kafka={"bootstrap_servers": broker.bootstrap, "group_id": f"fair-{tag}",
-               "input_topic": f"fair-{tag}.in", "output_topic": f"fair-{tag}.out",
-               "dead_letter_topic": f"fair-{tag}.dlq", "suspects_topic": f"fair-{tag}.sus",
-               "max_poll_records": 64, "commit_interval_s": 0.05, **GROUP_SETTINGS},
-        limits={"shutdown_grace_s": 2, "max_in_flight": 32},
-    )  # fmt: skip
+    cfg = config(broker, "fair", 32, max_poll_records=64)
     ensure_worker_topics(cfg.kafka, PARTITIONS)
     producer = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=50)
     for p in range(PARTITIONS):  # pre-filled: each partition's records in a few big batches
@@ -66,16 +85,12 @@ def test_a_saturated_worker_serves_every_partition_within_the_first_quarter(
         metrics = Metrics()
         worker = Worker(cfg, ScriptedRunner(cfg, metrics, behave), metrics, "tiny")
         task = asyncio.create_task(worker.run())
-        while len(order) < total:
-            assert not task.done(), task
-            await asyncio.sleep(0.05)
+        await until_answered(order, total, task)
         worker.request_stop()
         return await task
 
     assert asyncio.run(asyncio.wait_for(scenario(), 150)) == ExitCode.OK
-    first_quarter = order[: total // 4]
-    served = {p: first_quarter.count(p) for p in range(PARTITIONS)}
-    print("answers per partition in the first quarter:", served)
+    served = first_quarter(order, total)
     assert all(served.values()), served
     # Not just a token answer: each partition had at least half its fair share of that quarter.
     assert min(served.values()) >= total // 4 // PARTITIONS // 2, served
@@ -92,14 +107,7 @@ def test_a_worker_woken_from_a_stall_serves_every_partition_within_the_first_qua
     asked their end offsets (`partitions.Partitions._waiting`) it answered {0: 100, 1: 0, 2: 0,
     3: 0} here in 3 runs of 4 (in the fourth the fetch in flight had answered before partition 0
     filled); after, the smallest share was 16 of the 100 in each of 7 runs."""
-    tag = uuid.uuid4().hex[:6]
-    cfg = load_config(
-        kafka={"bootstrap_servers": broker.bootstrap, "group_id": f"stall-{tag}",
-               "input_topic": f"stall-{tag}.in", "output_topic": f"stall-{tag}.out",
-               "dead_letter_topic": f"stall-{tag}.dlq", "suspects_topic": f"stall-{tag}.sus",
-               "commit_interval_s": 0.05, **GROUP_SETTINGS},
-        limits={"shutdown_grace_s": 2, "max_in_flight": 64},
-    )  # fmt: skip
+    cfg = config(broker, "stall", 64)
     ensure_worker_topics(cfg.kafka, PARTITIONS)
     per = 100
     order: list[int] = []
@@ -129,9 +137,7 @@ def test_a_worker_woken_from_a_stall_serves_every_partition_within_the_first_qua
         task = asyncio.create_task(worker.run())
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, post, range(PARTITIONS), 1, "warm-")
-        while len(order) < PARTITIONS:  # every partition fetched: positions and marks known
-            assert not task.done(), task
-            await asyncio.sleep(0.05)
+        await until_answered(order, PARTITIONS, task)  # positions and marks known
         await asyncio.sleep(1.0)
         order.clear()
         # The consumer's own thread held up for 4 s, right after a poll that left a fetch in
@@ -142,9 +148,7 @@ def test_a_worker_woken_from_a_stall_serves_every_partition_within_the_first_qua
         await asyncio.sleep(0.8)  # the fetch in flight has answered with partition 0's records
         await loop.run_in_executor(None, post, range(1, PARTITIONS), per, "")
         await asyncio.wrap_future(held)
-        while len(order) < PARTITIONS * per:
-            assert not task.done(), task
-            await asyncio.sleep(0.05)
+        await until_answered(order, PARTITIONS * per, task)
         worker.request_stop()
         return await task
 
@@ -152,7 +156,5 @@ def test_a_worker_woken_from_a_stall_serves_every_partition_within_the_first_qua
         assert asyncio.run(asyncio.wait_for(scenario(), 100)) == ExitCode.OK
     finally:
         producer.close()
-    first_quarter = order[: PARTITIONS * per // 4]
-    served = {p: first_quarter.count(p) for p in range(PARTITIONS)}
-    print("answers per partition in the first quarter:", served)
+    served = first_quarter(order, PARTITIONS * per)
     assert min(served.values()) >= per // PARTITIONS // 2, served
