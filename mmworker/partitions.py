@@ -142,8 +142,7 @@ class Partitions:
         if self._asking is not None and (answer := end_offsets_answered(self._asking)) is not None:
             self._asking = None
             self._ends.update(answer)
-        unparsed = unparsed_highwater(self._consumer)
-        marks = dict(unparsed)
+        marks = unparsed_highwater(self._consumer)
         self._ends = {tp: end for tp, end in self._ends.items() if tp in owned}
         for tp, end in self._ends.items():
             marks[tp] = max(marks.get(tp, end), end)
