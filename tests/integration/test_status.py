@@ -26,7 +26,7 @@ from kafka.structs import TopicPartition as KafkaTP
 from mmworker.config import KafkaConfig
 from mmworker.devkit.broker import EmbeddedBroker, free_port
 from mmworker.devkit.samples import sample_image
-from mmworker.kafka_io import SUSPECTS_TOPIC_CONFIG, ensure_topics
+from mmworker.kafka_io import SUSPECTS_TOPIC_CONFIG, ensure_topics, keep_finished_joins
 from tests.conftest import GROUP_SETTINGS
 from tests.integration.conftest import Service
 
@@ -72,10 +72,15 @@ def _names() -> dict[str, str]:
 
 
 def _member(broker: EmbeddedBroker, topic: str, group: str, client_id: str) -> KafkaConsumer:
-    return KafkaConsumer(
+    member = KafkaConsumer(
         topic, bootstrap_servers=[broker.bootstrap], group_id=group, client_id=client_id,
         enable_auto_commit=False, auto_offset_reset="earliest", **GROUP_SETTINGS,
     )  # fmt: skip
+    # As the worker's own consumer does: with two members polling in turn for 100 ms each, a
+    # join round that ends between two polls is otherwise thrown away and joined again, and a
+    # CI run saw one member hold both partitions and the other none for 90 s.
+    keep_finished_joins(member)
+    return member
 
 
 def _until_assigned(members: list[KafkaConsumer], partitions: int, timeout: float = 90) -> None:
