@@ -45,7 +45,9 @@ class Choice:
 def processes(hw: Hardware, gpus_per_model: int = 1) -> Choice:
     """Worker processes, each with its own engine on the one GPU. On an H200 one process's vLLM
     front end (a single Python thread rendering every request) left the GPU idle, and two beat
-    one by 1.5x on images (bench/HISTORY.md, sessions 9-16); more than two was not measured."""
+    one by 1.5x on images (bench/HISTORY.md, sessions 9-16). Three were slower than two on an
+    H100 (session 31: 115.6 against 117.7-120.0 images/s, 16.07 against 16.50-16.83 videos/s),
+    as three plain engines were no faster than two: the GPU is the limit there."""
     if not hw.gpu:
         return Choice(1, "no GPU: one engine, on the CPU")
     if gpus_per_model > 1:

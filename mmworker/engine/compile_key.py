@@ -7,7 +7,8 @@ a hash of the engine's settings that leaves out runtime knobs such as `gpu_memor
 and the block counts; vLLM 0.25 does not leave out `kv_cache_memory_bytes` (0.32 does). So the
 first start together compiled the language model and the vision encoder again, as on an empty
 cache: 21.9 s of a 49.7 s "warm" start on an H100 (session 29), where a plain engine was ready
-in 29.6 s. The size only decides how many blocks are allocated, never a graph's shapes.
+in 29.6 s; with this key, 35.1 s against 29.5 s on another H100 (session 31), compiling nothing.
+The size only decides how many blocks are allocated, never a graph's shapes.
 
 The hash is taken in the engine core. `Engine` applies this before it starts one, which a forked
 core inherits; a spawned core (and its executors) gets it from the vLLM plugin (`install`, in
