@@ -12,9 +12,9 @@
 # A worker row must get exactly the --set flags its PEERS file ran with (bench/e2e.py's peers take
 # the engine arguments from the same parsed worker config; the JSON's peers.engine_kwargs shows
 # them). Every stage keeps its output in $RES (default /tmp/s10; the warm machine keeps /tmp
-# between calls) and copies all of it, with the model config bench/mfu.py reads, to $OUT, so a
-# stage cut off by the call's time limit still returns what it finished, and the logs of every
-# engine and worker run so far (gzipped, in $OUT/logs). While a stage runs,
+# between calls) and copies what it wrote there, with the model config bench/mfu.py reads, to
+# $OUT, so a stage cut off by the call's time limit still returns what it finished, and the logs
+# of its engine and worker runs (gzipped, in $OUT/logs). While a stage runs,
 # nvidia-smi samples the GPU's utilisation every 200 ms into $RES/smi-STAGE-NAME.csv. A stage
 # exits non-zero when its report is missing or not ok, so a call can fall back to other settings
 # (`... || ...`).
@@ -40,17 +40,29 @@ res=${RES:-/tmp/s10}
 mkdir -p "$res" "${OUT:-bench/out}"
 model=/tmp/qwen2.5-vl-3b-dummy
 smi=
+# Only what this stage wrote goes back (files newer than this mark): a call returns at most 8
+# files, and copying all of $res, which the warm machine keeps between calls, left session 31's
+# worker reports behind once earlier stages' files had filled those 8.
+mark=$(mktemp)
 finish() {
     [[ -n $smi ]] && kill "$smi" 2>/dev/null
-    cp -r "$res"/. "${OUT:-bench/out}"/ 2>/dev/null
-    cp "$model/config.json" "${OUT:-bench/out}/model-config.json" 2>/dev/null
-    cp bench/out/profile-*.txt "${OUT:-bench/out}"/ 2>/dev/null
-    # The engines' and workers' logs (start-up steps with their times), gzipped: they show where
-    # a start-up's minutes go, which the reports give only as one number.
-    mkdir -p "${OUT:-bench/out}/logs"
+    local out=${OUT:-bench/out} f rel
+    while IFS= read -r f; do
+        rel=${f#"$res"/}
+        mkdir -p "$out/$(dirname "$rel")"
+        cp "$f" "$out/$rel"
+    done < <(find "$res" -type f -newer "$mark")
+    cp "$model/config.json" "$out/model-config.json" 2>/dev/null
+    find bench/out -maxdepth 1 -name 'profile-*.txt' -newer "$mark" -exec cp {} "$out"/ \; 2>/dev/null
+    # The engines' and workers' logs of this stage (start-up steps with their times), gzipped:
+    # they show where a start-up's minutes go, which the reports give only as one number.
     for f in /tmp/e2e/*.log; do
-        [[ -f $f ]] && gzip -c "$f" >"${OUT:-bench/out}/logs/$(basename "$f").gz"
+        if [[ -f $f && $f -nt $mark ]]; then
+            mkdir -p "$out/logs"
+            gzip -c "$f" >"$out/logs/$(basename "$f").gz"
+        fi
     done
+    rm -f "$mark"
     true
 }
 trap finish EXIT
