@@ -131,13 +131,17 @@ class StatusReader:
         self._admin.close()
 
     def read(self, recent_s: float) -> GroupStatus:
-        """Raises `GroupQueryError` (one line) when the brokers do not answer in time."""
+        """Raises `GroupQueryError` (one line) when the brokers do not answer in time. Whichever
+        question a broker's death cuts off, the line starts the same way (`status -w` prints one
+        per refresh, and a reader or a script looks for one prefix, not for each step's own)."""
         try:
             return self._read(recent_s)
-        except KafkaError as exc:
+        except (KafkaError, GroupQueryError) as exc:
+            name = type(exc).__name__
+            why = exc.message if isinstance(exc, GroupQueryError) else f"{name}: {exc}"
             raise GroupQueryError(
                 f"cannot read group {self._cfg.group_id!r} from {self._cfg.bootstrap_servers} "
-                f"({type(exc).__name__}: {exc})"
+                f"({why})"
             ) from exc
 
     def _read(self, recent_s: float) -> GroupStatus:
