@@ -374,10 +374,12 @@ class PreprocessConfig(_Section):
     )
     fetch_timeout_s: float = Field(30.0, gt=0, description="Whole-download deadline per media item")
     workers: int = Field(
-        default_factory=lambda: max(1, (os.cpu_count() or 2) - 1),
+        # The cores this process may use, not the node's: a pod limited to 8 CPUs on a
+        # 128-core node would otherwise start 127 decoders.
+        default_factory=lambda: max(1, hardware.usable_cores() - 1),
         ge=1,
         description="Preprocessing processes (decode and resize run outside the GIL)",
-        json_schema_extra={"default_doc": "CPU cores − 1"},
+        json_schema_extra={"default_doc": "usable CPU cores (affinity, cgroup quota) − 1"},
     )
     recycle_after: int | None = Field(
         10_000,
@@ -658,6 +660,17 @@ class WorkerConfig(BaseSettings):
         description="Worker log level (any case); also sets vLLM's and kafka-python's: WARNING "
         "unless DEBUG",
     )
+
+    @model_validator(mode="after")
+    def _child_ports_exist(self) -> WorkerConfig:
+        """Each process's own port is metrics_port + 1 + i: said now, not as N start failures."""
+        if self.metrics_port and self.processes > 1 and self.metrics_port + self.processes > 65535:
+            raise ValueError(
+                f"metrics_port {self.metrics_port} with processes={self.processes}: process i "
+                f"listens on metrics_port + 1 + i, past 65535; pick a port at most "
+                f"{65535 - self.processes}"
+            )
+        return self
 
     @field_validator("tasks", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mmworker.errors import ConfigError
 from mmworker.hardware import GIB, Hardware
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ TWO_ENGINES_MIN_GPU_BYTES = LARGE_GPU_BYTES
 #: half of 0.92 each went 2-3.5 GiB over their share and one died out of memory (session 20).
 #: One engine has vLLM's own 8 % beside it; N engines get this much each instead.
 ENGINE_HEADROOM_BYTES = 6 * GIB
+#: The least GPU fraction an engine of the default split gets: below it even a small model's
+#: weights and a few KV blocks do not fit, and vLLM's own error comes only after the load.
+MIN_ENGINE_SHARE = 0.05
 #: Two processes each run a vLLM front end, an engine core and half the preprocessing pool.
 TWO_PROCESSES_MIN_CORES = 8
 #: What a process holds on a large GPU: as many jobs as vLLM schedules in one step there.
@@ -84,6 +88,15 @@ def engine_memory_share(hw: Hardware, utilization: float, engines: int, user_set
         return Choice(utilization / engines, f"set: split evenly over {engines} engines")
     headroom = engines * ENGINE_HEADROOM_BYTES / hw.gpu_memory_bytes
     total = min(utilization, 1.0 - headroom)
+    if total / engines < MIN_ENGINE_SHARE:
+        # Said here, before any child starts: each engine would otherwise fail its load with
+        # vLLM's traceback about a negative or tiny gpu_memory_utilization.
+        raise ConfigError(
+            f"processes={engines} on a {hw.gpu_memory_bytes / GIB:.0f} GiB GPU leaves each "
+            f"engine {max(total, 0.0) / engines:.2f} of it once {ENGINE_HEADROOM_BYTES // GIB} "
+            "GiB beside each share are kept free: run fewer processes, or set "
+            "engine.gpu_memory_utilization to split the GPU evenly yourself"
+        )
     return Choice(
         total / engines,
         f"{hw.gpu_memory_bytes / GIB:.0f} GiB GPU, {engines} engines: {total:.2f} of it split "

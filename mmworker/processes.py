@@ -36,6 +36,7 @@ from mmworker import fast_defaults, hardware, health, kv_sizes, lifeline, logs
 from mmworker.config import WorkerConfig
 from mmworker.engine import model_info, resolve_model
 from mmworker.engine.shared_core import CoreLink
+from mmworker.errors import WorkerError
 from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.lifeline import die_with_parent
@@ -74,11 +75,15 @@ def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
 
 
 def combined_exit_code(codes: list[int | None]) -> int:
-    """Engine death wins (it tells the orchestrator the GPU is suspect), then any other failure."""
+    """Engine death wins (it tells the orchestrator the GPU is suspect), then a failure of the
+    worker's own (exit codes below 128), then a death by signal: a child killed because it did
+    not stop in time after a sibling failed must not hide why that sibling failed."""
     real = [_as_exit_code(c) for c in codes]
     if ExitCode.ENGINE_DEAD in real:
         return ExitCode.ENGINE_DEAD
-    return max((c for c in real if c != ExitCode.OK), default=ExitCode.OK)
+    failed = [c for c in real if c != ExitCode.OK]
+    own = [c for c in failed if c < 128]
+    return max(own or failed, default=ExitCode.OK)
 
 
 def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
@@ -91,12 +96,16 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
+        # The first stop reaches only children not already stopping (a sibling's failure took
+        # them down, or start-up signalled them): a second SIGTERM makes a child exit at once,
+        # undrained. A second stop asked of the supervisor is passed on as one.
+        again = stopping
         stopping = True
         if supervisor is not None:
             supervisor.stopping = True  # the pod's /readyz fails at once
         name = signal.Signals(signum).name
         log.info("%s: passing it to %d worker processes", name, len(children.procs))
-        children.send(signum)
+        children.send(signum, once=not again)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -122,7 +131,9 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
             turn.set()
         for child, ready in started:
             if (failed := children.start_failed(child, ready)) is not None:
-                if stopping:  # a stop, not a failure: the size stays good
+                # A stop is not a failure (the size stays good); a configuration error would
+                # fail again in turn.
+                if stopping or failed == ExitCode.USAGE:
                     return failed
                 kv_sizes.book_for(cfg.cache.directory).forget(key)  # profiled again below
                 # Loading together is the default, so a kept size that no longer fits beside
@@ -137,6 +148,11 @@ def run_processes(cfg: WorkerConfig, create_topics: int | None = None) -> int:
                 children = _Children(cfg, lambda: stopping)
                 return _in_turn(children, [children.spawn(i) for i in range(cfg.processes)])
         return children.consume(", engines loaded together")
+    except BaseException:
+        # Children wait for their turn or for `go`: with no one to let them go, they and this
+        # process (multiprocessing joins them at exit) would wait for ever.
+        children.terminate()
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -290,6 +306,8 @@ class _Children:
             return None
         log.error("%s did not start (exit %s)", child.name, child.exitcode)
         self.terminate()
+        if self._stopping():  # children that stopped as asked exit 0, and so does the set
+            return self.exit_code()
         return self.exit_code() or ExitCode.START_FAILED
 
     def consume(self, how: str) -> int:
@@ -308,11 +326,15 @@ class _Children:
                 brought_down = True
         return self.exit_code()
 
-    def send(self, signum: int) -> None:
+    def send(self, signum: int, once: bool = False) -> None:
+        """`once`: not to a child signalled before (a second stop makes it exit undrained)."""
         for child in self.procs:
-            if child.pid is not None and child.exitcode is None:
-                os.kill(child.pid, signum)
-                self.signalled.add(child.pid)
+            if child.pid is None or child.exitcode is not None:
+                continue
+            if once and child.pid in self.signalled:
+                continue
+            os.kill(child.pid, signum)
+            self.signalled.add(child.pid)
 
     def terminate(self) -> None:
         """SIGTERM every child (they drain), then SIGKILL what is still there after the grace.
@@ -321,7 +343,7 @@ class _Children:
         for turn in self.turns:
             turn.set()
         self.go.set()
-        self.send(signal.SIGTERM)
+        self.send(signal.SIGTERM, once=True)
         deadline = time.monotonic() + self._grace
         for child in self.procs:
             child.join(max(0.0, deadline - time.monotonic()))
@@ -368,4 +390,12 @@ def _child_main(
         )
     except Interrupted:
         code = ExitCode.OK
+    except WorkerError as exc:  # as `mmworker run` with one process reports it
+        log.error("%s: %s", cfg.worker_id, exc.message)
+        code = ExitCode.USAGE
+    except Exception:
+        # Logged with its traceback, then the same exit as every other: a Kafka client thread
+        # or the preprocessing pool must not hold it (the interpreter's exit hooks join them).
+        log.exception("%s failed", cfg.worker_id)
+        code = ExitCode.INTERNAL if ready.is_set() else ExitCode.START_FAILED
     exit_now(code)

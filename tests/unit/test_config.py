@@ -214,3 +214,21 @@ def test_config_command_says_what_the_hardware_chose_and_why(
     assert why[1].startswith("# processes = 2 (auto: NVIDIA H200 (140 GiB), 16 cores: one vLLM")
     assert why[2].startswith("# engine.compile_vision_encoder = true (auto: ")
     assert why[3] == "# limits.max_in_flight = 512 (set)"
+
+
+def test_a_metrics_port_whose_process_ports_pass_65535_is_refused() -> None:
+    """Process i of a set listens on metrics_port + 1 + i: past 65535 each failed to start."""
+    with pytest.raises(ValidationError, match="pick a port at most 65533"):
+        load_config(processes=2, metrics_port=65535)
+    assert load_config(processes=2, metrics_port=65533).metrics_port == 65533
+    assert load_config(processes=1, metrics_port=65535).metrics_port == 65535
+
+
+def test_the_default_preprocessing_pool_counts_the_cores_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod limited to 8 CPUs on a 128-core node: 7 decoders, not 127."""
+    from mmworker import hardware
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
+    assert load_config().preprocess.workers == 7

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmworker import fast_defaults, hardware
+from mmworker.errors import ConfigError
 from mmworker.hardware import GIB, Hardware
 
 CPU = Hardware(gpu_name=None, gpu_memory_bytes=0, gpus=0, cores=2)
@@ -51,6 +52,14 @@ def test_a_users_fraction_is_split_evenly_and_one_engine_keeps_it_whole() -> Non
     # On a 141 GB H200 the default barely moves: vLLM's 8 % already leaves 11 GiB.
     h200 = fast_defaults.engine_memory_share(H200, 0.92, 2, user_set=False).value
     assert 0.455 < h200 <= 0.46
+
+
+def test_more_engines_than_the_default_split_leaves_room_for_are_refused_before_any_load() -> None:
+    """processes = 4 on an L4 left each engine a negative fraction, which vLLM refused only
+    after each child had loaded its model, with a traceback."""
+    with pytest.raises(ConfigError, match=r"processes=4 on a 23 GiB GPU.*run fewer processes"):
+        fast_defaults.engine_memory_share(L4, 0.92, 4, user_set=False)
+    assert fast_defaults.engine_memory_share(L4, 0.92, 2, user_set=False).value > 0.2
 
 
 @pytest.mark.parametrize("hw", [A100_40, L4])

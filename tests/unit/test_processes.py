@@ -3,12 +3,17 @@ whose start-up fails is taken down whole (real child processes, no engine)."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from typing import Any
 
 import pytest
 
+from mmworker import processes
 from mmworker.config import load_config
+from mmworker.errors import ConfigError
+from mmworker.kv_sizes import KvSize
 from mmworker.processes import _Children, child_config, combined_exit_code
 
 
@@ -46,6 +51,9 @@ def test_an_explicit_pool_size_is_per_process_and_no_port_stays_off() -> None:
         ([0, 130], 130),
         ([-9, 0], 137),  # killed by SIGKILL → the shell's 128 + 9
         ([None, 0], 1),  # never started
+        # The cause outranks the sibling killed because it did not stop in time after it.
+        ([4, -9], 4),
+        ([-15, 2, 0], 2),
     ],
 )
 def test_exit_codes_combine(codes: list[int | None], want: int) -> None:
@@ -134,6 +142,162 @@ def test_a_stop_that_reached_no_child_is_passed_on_once_instead_of_waiting_out_i
 
 def test_once_consuming_the_first_child_to_exit_stops_the_others() -> None:
     children = _children(None, 4)
-    # The stand-in killed by SIGTERM (143) outranks 4; real children drain and exit 0.
-    assert children.consume("") == 128 + 15
+    # Why the set stopped (4) outranks the stand-in the SIGTERM killed (143).
+    assert children.consume("") == 4
     assert [c.exitcode for c in children.procs] == [-15, 4]
+
+
+#: A stand-in for a worker process's signal handling (`mmworker.exits`, then the poll loop's):
+#: the first SIGTERM starts a drain that ends with exit 0, a second one exits 130 at once.
+DRAINS = """
+import os, signal, time
+seen = []
+def handler(signum, frame):
+    if seen:
+        os._exit(130)
+    seen.append(signum)
+signal.signal(signal.SIGTERM, handler)
+while not seen:
+    time.sleep(0.02)
+time.sleep(1.0)
+os._exit(0)
+"""
+
+
+def _drainers(count: int, stopping: bool) -> _Children:
+    children = _Children(load_config(limits={"shutdown_grace_s": 5}), lambda: stopping)
+    for index in range(count):
+        child = children.ctx.Process(target=exec, args=(DRAINS, {}), name=f"mmworker-{index}")
+        child.start()
+        children.procs.append(child)
+    time.sleep(1.0)  # their handlers are installed
+    return children
+
+
+def test_a_stop_during_start_up_lets_the_children_drain_and_the_set_exits_0() -> None:
+    """The supervisor passed the stop on (`run_processes`' `forward`); taking the set down must
+    not send a second SIGTERM (exit 130, undrained), and children that stopped as asked are no
+    start failure: `mmworker run` exits 0, as with one process."""
+    children = _drainers(2, stopping=True)
+    children.send(signal.SIGTERM, once=True)  # what forward does with the first stop
+    code = children.start_failed(children.procs[0], children.ctx.Event())
+    assert [c.exitcode for c in children.procs] == [0, 0]
+    assert code == 0
+
+
+def test_a_stop_during_a_bring_down_does_not_cut_the_siblings_drain_short() -> None:
+    """A sibling failed, so the others were sent SIGTERM and drain; the orchestrator's own stop
+    (a failed probe, a rollout) arriving then must not reach them as a second one."""
+    children = _drainers(1, stopping=False)
+    children.send(signal.SIGTERM, once=True)  # the bring-down (`terminate`)
+    time.sleep(0.3)  # two pending SIGTERMs would reach the child as one
+    children.send(signal.SIGTERM, once=True)  # the stop `forward` passes on first
+    children.procs[0].join(10)
+    assert children.procs[0].exitcode == 0
+
+
+def test_a_second_stop_asked_of_the_supervisor_is_passed_on_as_one() -> None:
+    children = _drainers(1, stopping=True)
+    children.send(signal.SIGTERM, once=True)
+    time.sleep(0.3)
+    children.send(signal.SIGTERM, once=False)  # forward, stopping already
+    children.procs[0].join(10)
+    assert children.procs[0].exitcode == 130
+
+
+def _stand_in_spawn(target: Any, args: tuple[Any, ...]) -> Any:
+    """`_Children.spawn` starting `target(*args)` instead of a worker (no engine, no broker)."""
+
+    def spawn(self: _Children, index: int, core: Any = None) -> tuple[Any, Any]:
+        ready, turn = self.ctx.Event(), self.ctx.Event()
+        self.turns.append(turn)
+        child = self.ctx.Process(target=target, args=args, name=f"mmworker-{index}")
+        child.start()
+        self.procs.append(child)
+        return child, ready
+
+    return spawn
+
+
+def test_a_supervisor_that_fails_after_starting_its_children_takes_them_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Children wait for their turn; a supervisor error (here: reading the model's config for the
+    KV size key) left them waiting, and the supervisor itself, joining them at exit, for ever."""
+    spawned: list[_Children] = []
+    spawn = _stand_in_spawn(time.sleep, (60,))
+
+    def recording_spawn(self: _Children, index: int, core: Any = None) -> tuple[Any, Any]:
+        spawned.append(self)
+        return spawn(self, index, core)  # type: ignore[no-any-return]
+
+    def unreadable(_cfg: Any) -> None:
+        raise RuntimeError("model config unreadable")
+
+    monkeypatch.setattr(processes._Children, "spawn", recording_spawn)
+    monkeypatch.setattr(processes, "_inspect_ahead", lambda _cfg: None)
+    monkeypatch.setattr(processes, "together_size", unreadable)
+    cfg = load_config(processes=2, limits={"shutdown_grace_s": 5})
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="unreadable"):
+        processes.run_processes(cfg)
+    assert [c.exitcode for c in spawned[0].procs] == [-15, -15]
+    assert time.monotonic() - started < 30
+
+
+def test_engines_that_fail_together_on_their_configuration_are_not_loaded_again_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed together-load is retried in turn, since a kept KV size may no longer fit; a
+    child's configuration error (exit 2) would fail there again, so it is reported at once."""
+    sets: list[int] = []
+    spawn = _stand_in_spawn(sys.exit, (2,))
+
+    def counting_spawn(self: _Children, index: int, core: Any = None) -> tuple[Any, Any]:
+        sets.append(id(self))
+        return spawn(self, index, core)  # type: ignore[no-any-return]
+
+    size = KvSize(bytes=2**30, blocks=100)
+    monkeypatch.setattr(processes._Children, "spawn", counting_spawn)
+    monkeypatch.setattr(processes, "_inspect_ahead", lambda _cfg: None)
+    monkeypatch.setattr(processes, "together_size", lambda _cfg: ("key", size))
+    assert processes.run_processes(load_config(processes=2)) == 2
+    assert len(sets) == 2 and len(set(sets)) == 1, "one set started, none in turn after it"
+
+
+#: A child whose `run_worker` raises the given error before its engine is up.
+FAILS = """
+import mmworker.app
+from mmworker.processes import _child_main
+
+def run_worker(*args, **kwargs):
+    raise error
+
+mmworker.app.run_worker = run_worker
+_child_main(cfg, ready, go, None, turn, planned)
+"""
+
+
+@pytest.mark.parametrize(
+    ("error", "want"),
+    [(ConfigError("task 'x': bad response_format"), 2), (RuntimeError("engine load"), 1)],
+)
+def test_a_childs_configuration_error_exits_2_and_any_other_start_failure_1(
+    error: Exception, want: int
+) -> None:
+    """As `mmworker run` with one process: exit 2 is a configuration to fix, 1 a start that
+    failed; either after a logged line, not a hang on the child's library threads."""
+    children = _Children(load_config(processes=2), lambda: False)
+    ctx = children.ctx
+    names = {
+        "cfg": child_config(children.cfg, 0),
+        "ready": ctx.Event(),
+        "go": ctx.Event(),
+        "turn": ctx.Event(),
+        "planned": ctx.Value("q", 0),
+        "error": error,
+    }
+    child = ctx.Process(target=exec, args=(FAILS, names))
+    child.start()
+    child.join(60)
+    assert child.exitcode == want
