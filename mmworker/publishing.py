@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kafka.errors import (
     ClusterAuthorizationFailedError,
@@ -44,6 +45,57 @@ RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
 #: other error, retriable or not (kafka-python marks some transient producer errors, such as an
 #: idempotent producer's epoch bump, non-retriable), is retried with backoff.
 TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
+
+
+class RenewableProducer:
+    """The worker's producer, replaced when kafka-python has given it up.
+
+    Why: kafka-python's idempotent producer (the default, `kafka.enable_idempotence`) puts
+    itself in a fatal state for good when the broker refuses a record it cannot split or retry:
+    one result over a topic's `max.message.bytes`, a timestamp out of range. From then on every
+    send fails with that same error, so the dead letter for the refused result failed too and
+    the worker stopped (exit 4), to be restarted into the same record: a crash loop on one job.
+    Everything that writes (results, dead letters, the suspects topic, flush and close) goes
+    through this object, so one replacement reaches them all.
+    """
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self.current = make()
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self.current.send(*args, **kwargs)
+
+    def flush(self, timeout: float | None = None) -> None:
+        self.current.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.current.close(timeout)
+
+    def renew_if_given_up(self) -> bool:
+        """A new producer if the current one is in its fatal state; True if it was replaced.
+        Blocking (the new one bootstraps): on the publisher's threads."""
+        with self._lock:
+            failed = given_up(self.current)
+            if failed is None:
+                return False
+            old, self.current = self.current, self._make()
+        log.warning(
+            "the producer stopped sending after the broker refused a record (%s): replaced by a "
+            "new one", failed,
+        )  # fmt: skip
+        old.close(0)
+        return True
+
+
+def given_up(producer: Any) -> BaseException | None:
+    """The error that put kafka-python's idempotent producer in its fatal state, or None. It
+    has no public way to ask: this reads its transaction manager (kafka-python 3.0)."""
+    manager = getattr(producer, "_transaction_manager", None)
+    if manager is None or not manager.has_fatal_error():
+        return None
+    return cast(BaseException | None, manager.last_error) or RuntimeError("fatal state")
 
 
 class Publisher:
@@ -85,10 +137,13 @@ class Publisher:
                            self._threads, lock)  # fmt: skip
                 return
             except RECORD_REFUSALS as exc:
+                await self.renew_if_given_up()  # the dead letter for it must still go out
                 raise PublishRefused(f"{type(exc).__name__}: {exc}") from exc
             except TOPIC_REFUSALS as exc:
                 raise TopicRefused(f"{outcome.topic}: {type(exc).__name__}: {exc}") from exc
             except KafkaError as exc:
+                if await self.renew_if_given_up():
+                    continue  # the record was refused by a producer that refuses everything
                 if isinstance(exc, KafkaTimeoutError):  # no metadata: deleted since it was found?
                     self._reply_topics.forget(outcome.topic)
                 log.warning(
@@ -96,6 +151,11 @@ class Publisher:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+    async def renew_if_given_up(self) -> bool:
+        if not isinstance(self.producer, RenewableProducer):
+            return False  # a test's stand-in
+        return await self.call(self.producer.renew_if_given_up)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Another blocking call that writes through the producer (the suspects topic, flush,

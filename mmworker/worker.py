@@ -43,7 +43,7 @@ from mmworker.kafka_io import (
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.partitions import Partitions
-from mmworker.publishing import Publisher
+from mmworker.publishing import Publisher, RenewableProducer
 from mmworker.recovery import EngineRecovery
 from mmworker.stopping import Stopping
 from mmworker.suspects import KafkaSuspects, Suspects
@@ -167,7 +167,8 @@ class Worker:
 
     async def _connect(self) -> None:
         k = self._cfg.kafka
-        self._publisher = Publisher(k, await self._on_kafka(self._clients.producer))
+        producer = await self._on_kafka(RenewableProducer, self._clients.producer)
+        self._publisher = Publisher(k, producer)
         self._suspects = await self._on_kafka(self._clients.suspects, self._publisher.producer)
         await self._on_kafka(self._suspects.refresh)
         consumer = await self._on_kafka(self._clients.consumer)

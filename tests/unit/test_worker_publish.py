@@ -7,7 +7,9 @@ Retrying a non-retriable refusal forever would pin the partition's commit and, o
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +25,7 @@ from mmworker_schemas import Result
 
 from mmworker.checkpoints import Checkpoints
 from mmworker.config import WorkerConfig, load_config
+from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.exits import ExitCode
 from mmworker.flow import FlowLimits, still_full
 from mmworker.health import Health
@@ -43,16 +46,23 @@ TP = TopicPartition("jobs", 0)
 def _handler(producer: Producer) -> tuple[RecordHandler, Stopping, OffsetTracker, Metrics]:
     """The worker's handling of one record, with the producer given (no broker, no engine)."""
     cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
+    return _handler_with(cfg, Publisher(cfg.kafka, producer))
+
+
+def _handler_with(
+    cfg: WorkerConfig, publisher: Publisher
+) -> tuple[RecordHandler, Stopping, OffsetTracker, Metrics]:
+    """A job whose run gives a caption for the configured output topic (no engine)."""
     metrics = Metrics()
     runner = JobRunner(cfg, engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
     result = Result.model_construct(job_id="job-1", text="a caption")
+    output = cfg.kafka.output_topic
 
     async def run(raw: bytes | None, ctx: Context, ts: int, deaths: int = 0) -> Outcome:
-        return Outcome(OUTPUT, "job-1", result)
+        return Outcome(output, "job-1", result)
 
     runner.run = run  # type: ignore[method-assign]
     tracker, stopping = OffsetTracker(), Stopping(Health(cfg.health))
-    publisher = Publisher(cfg.kafka, producer)
     handler = RecordHandler(cfg, runner, metrics, "tiny", tracker, publisher, Suspects(), stopping)
     tracker.track(TP, 7)
     return handler, stopping, tracker, metrics
@@ -225,3 +235,53 @@ def test_a_send_that_cannot_get_metadata_fails_at_max_block_ms_and_the_loop_keep
     assert max_block_ms / 1000 - 0.1 <= took < max_block_ms / 1000 + 2, took
     # The loop ran all along: about one tick per 50 ms of the block.
     assert ticks >= int(took / 0.05) // 2, (ticks, took)
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [MessageSizeTooLargeError("1.2 MB > max.message.bytes"), KafkaError("UnknownServerError")],
+    ids=["record-too-large", "other-non-retriable"],
+)
+def test_a_producer_given_up_after_a_broker_refusal_is_replaced_and_the_partition_flows(
+    broker: EmbeddedBroker, refusal: KafkaError
+) -> None:
+    """The real kafka-python idempotent producer on the real broker. When a broker refuses a
+    record that cannot be split or retried (over a topic's max.message.bytes; an unknown
+    server error), kafka-python's Sender puts the producer in its fatal state, and every later
+    send fails with that error: the dead letter for the refused result failed too, and the
+    worker exited 4 into the same record at each restart. The test broker enforces no record
+    size, so the refusal's effect on the producer is caused the way the Sender causes it (its
+    transaction manager's transition to the fatal state); all that follows is real."""
+    from kafka import KafkaConsumer
+
+    from mmworker.kafka_io import ensure_topics, make_producer
+    from mmworker.publishing import RenewableProducer
+
+    tag = uuid.uuid4().hex[:6]
+    output, dlq = f"out-{tag}", f"dlq-{tag}"
+    cfg = load_config(kafka={"bootstrap_servers": broker.bootstrap, "output_topic": output,
+                             "dead_letter_topic": dlq})  # fmt: skip
+    ensure_topics(cfg.kafka, {output: 1, dlq: 1})
+    producer = RenewableProducer(lambda: make_producer(cfg.kafka))
+    first = producer.current
+    first.send(output, b"warm-up").get(10)  # a producer id and sequence of its own
+    first._transaction_manager.transition_to_fatal_error(refusal)  # as the Sender does
+    handler, stopping, tracker, _ = _handler_with(cfg, Publisher(cfg.kafka, producer))
+    asyncio.run(handler.handle(TP, _record()))
+
+    assert stopping.exit_code == ExitCode.OK, stopping
+    assert tracker.to_commit() == {TP: 8}
+    assert producer.current is not first
+    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=5000)  # fmt: skip
+    consumer.subscribe([output, dlq])
+    got = [(r.topic, r.value) for r in consumer]
+    consumer.close()
+    answers = [(t, json.loads(v)) for t, v in got if v != b"warm-up"]
+    if isinstance(refusal, MessageSizeTooLargeError):  # the result itself is dead-lettered
+        ((topic, failure),) = answers
+        assert (topic, failure["code"]) == (dlq, "publish_failed"), answers
+    else:  # any other refusal is retried, on the new producer: the result goes out
+        ((topic, result),) = answers
+        assert (topic, result["job_id"]) == (output, "job-1"), answers
+    producer.close(1)
