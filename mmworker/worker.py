@@ -248,11 +248,11 @@ class Worker:
 
     async def _shut_down(self) -> None:
         stream = self._stream
+        if self.fatal is None:
+            await self._live.drain(self._cfg.limits.shutdown_grace_s)  # the engine may die in it
         if isinstance(self.fatal, EngineFatal) and stream is not None:
             await stream.handler.record_suspects()  # first: before anything could move a partition
-        if self.fatal is None:
-            await self._live.drain(self._cfg.limits.shutdown_grace_s)
-        else:
+        if self.fatal is not None:
             await self._live.cancel_all()
         if stream is not None:
             await self._bounded(

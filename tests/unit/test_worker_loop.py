@@ -173,6 +173,40 @@ def test_engine_death_stops_uncommitted_and_records_everyone_inside_as_suspects(
     assert consumer.closed and producer.flushed and producer.closed
 
 
+def test_an_engine_death_during_the_drain_still_records_everyone_inside_as_suspects() -> None:
+    """SIGTERM, then the engine dies while the jobs inside it drain. Without a recovery (the
+    processes of a shared engine core, whose supervisor replaces them), the suspects were
+    recorded only for a death before the stop: a query of death that killed the engine during a
+    drain ran in a batch again after the restart, its death uncounted."""
+    consumer = Consumer({0: 3, 1: 3})
+    inside, dies = asyncio.Event(), asyncio.Event()
+    entered: list[SourceCoords] = []
+
+    async def behave(s: SourceCoords) -> None:
+        entered.append(s)
+        if len(entered) == 6:
+            inside.set()
+        await dies.wait()
+        raise EngineFatal("engine died: test")
+
+    worker, _, producer, suspects, _ = make_worker(consumer, behave)
+
+    async def scenario() -> int:
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(inside.wait(), 10)
+        worker.request_stop()
+        await asyncio.sleep(0.1)  # draining
+        dies.set()
+        return await task
+
+    assert asyncio.run(scenario()) == ExitCode.ENGINE_DEAD
+    assert producer.on(OUTPUT) == [] and consumer.commits == []
+    (recorded,) = suspects.recorded
+    assert sorted(recorded, key=lambda s: (s.partition, s.offset)) == sorted(
+        entered, key=lambda s: (s.partition, s.offset)
+    )
+
+
 def test_a_job_at_max_engine_deaths_is_dead_lettered_unrun_and_the_partition_moves_on() -> None:
     consumer = Consumer({0: 5})
     suspects = Suspects({suspect_key(src(0, 2)): 2})
