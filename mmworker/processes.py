@@ -368,8 +368,8 @@ def _child_main(
     """Entry of a spawned child: its own session, so a terminal's Ctrl-C reaches it only once
     (through the parent), and tied to the parent's life, so a killed supervisor leaves no orphan
     consumers behind (as a container runtime would kill them all)."""
-    from mmworker.app import run_worker
-
+    # First, before the heavy import below (seconds): a terminal's Ctrl-C in that window reached
+    # the child directly as well as through the parent, and a stop there left a traceback.
     stop_on_signals()
     os.setsid()
     die_with_parent()
@@ -381,6 +381,8 @@ def _child_main(
         return int(planned.value)
 
     try:
+        from mmworker.app import run_worker
+
         code = run_worker(
             cfg,
             ready=ready.set,

@@ -100,7 +100,9 @@ def overrides(model_path: str, revision: str | None) -> dict[str, Any] | None:
 
     try:
         config = AutoConfig.from_pretrained(model_path, revision=revision)
-    except OSError as exc:  # not downloadable here (offline, no such id): vLLM decides later
+    except (OSError, ValueError) as exc:
+        # Not downloadable here (offline, no such id), or not a config transformers knows (a
+        # model_type of its own, remote code): vLLM decides later, with its own error if any.
         log.warning("pixel path off: cannot read %s's config (%s)", model_path, exc)
         return None
     if use_pixel_model(config).architectures == [ARCHITECTURE]:

@@ -18,8 +18,12 @@ from tests.integration.workerkit import (
     Collector,
     Posted,
     WorkerProcess,
+    describe,
+    is_engine_core,
     make_topics,
     post,
+    process_tree,
+    still_alive,
     wait_committed,
 )
 
@@ -118,3 +122,30 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
     got = wait_committed(broker.bootstrap, group, topics["input"], posted.ends(), timeout=20)
     assert got == posted.ends()
     collector.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_while_the_engines_load_stops_the_set_with_exit_0_and_no_process_left(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """The supervisor passes the stop on once; taking the set down after it sent each child a
+    second SIGTERM (exit 130, no drain), and children that stopped as asked counted as a
+    failed start (exit 1). A stop is a stop: exit 0, as with one process."""
+    topics = make_topics(broker.bootstrap, "procs-stop")
+    group = f"procs-stop-{uuid.uuid4().hex[:6]}"
+    extra = {"processes": 2, "worker_id": "duo"}
+    with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra) as worker:
+        assert worker.proc is not None
+        deadline = time.monotonic() + 240
+        while not any(is_engine_core(p) for p in process_tree(worker.proc.pid)):
+            assert worker.proc.poll() is None, worker.log()
+            assert time.monotonic() < deadline, worker.log()
+            time.sleep(0.05)
+        tree = process_tree(worker.proc.pid)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.log()
+        log = worker.log()
+        assert "passing it to 2 worker processes" in log, log
+        assert "Traceback" not in log, log
+        alive = still_alive(tree, 10)
+        assert not alive, [describe(p) for p in alive]

@@ -224,3 +224,11 @@ def test_only_qwen2_5_vl_checkpoints_get_the_pixel_class() -> None:
         "Qwen2VLForConditionalGeneration"
     ]
     assert pixels.use_pixel_model(Config(None)).architectures is None
+
+
+def test_a_config_transformers_does_not_know_keeps_the_processor_path(tmp_path: Path) -> None:
+    """A model_type of its own (remote code): the supervisor read it for the KV size key and
+    failed with a traceback, leaving its children waiting; now vLLM decides, as for any other
+    architecture."""
+    (tmp_path / "config.json").write_text('{"model_type": "own-arch", "architectures": ["Own"]}')
+    assert pixels.overrides(str(tmp_path), None) is None
