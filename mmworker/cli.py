@@ -372,6 +372,16 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _warn_of_idle_gpus(engine: Any) -> None:
+    from mmworker import fast_defaults, hardware
+
+    used = fast_defaults.gpus_per_model(
+        engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.data_parallel_size
+    )
+    if warning := fast_defaults.idle_gpus(hardware.probe(), used):
+        logging.getLogger("mmworker").warning("%s", warning)
+
+
 def _check_brokers(cfg: Any, args: argparse.Namespace) -> None:
     from mmworker.kafka_io import check_brokers
 
@@ -393,6 +403,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     logs.setup(cfg.log_level, fmt=cfg.logging.format)
+    _warn_of_idle_gpus(cfg.engine)
     check_model(cfg.engine.model, setting_source("engine.model", args))
     _check_brokers(cfg, args)
     if cfg.engine.model == TINY_MODEL:  # the embedded default: development tooling builds it

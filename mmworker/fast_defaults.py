@@ -184,3 +184,16 @@ def explain(cfg: WorkerConfig, hw: Hardware) -> list[tuple[str, Any, str]]:
 
 def gpus_per_model(tensor: int, pipeline: int, data: int) -> int:
     return tensor * pipeline * data
+
+
+def idle_gpus(hw: Hardware, used: int) -> str | None:
+    """A warning when the engines leave visible GPUs unused: each engine runs on the first
+    visible GPU(s), and spreading over the rest is a choice of parallelism (vLLM's) or of
+    workers (one per GPU) that changes the memory and process layout, so it stays the user's."""
+    if not hw.gpu or hw.gpus <= used:
+        return None
+    return (
+        f"{hw.gpus} GPUs visible and the engines use {used}: set engine.data_parallel_size="
+        f"{hw.gpus} (or tensor_parallel_size for a model too large for one GPU), or run one "
+        "worker per GPU with CUDA_VISIBLE_DEVICES"
+    )

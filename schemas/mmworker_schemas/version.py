@@ -22,6 +22,11 @@ def major_of(version: object) -> int | None:
     if not isinstance(version, str):
         return None
     head, _, tail = version.partition(".")
-    if not head.isdigit() or not tail.isdigit():
+    # ASCII digits only: "²".isdigit() holds and int("²") raises, which ended as internal_error
+    if not _digits(head) or not _digits(tail):
         return None
     return int(head)
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()

@@ -144,3 +144,15 @@ def test_the_compiled_encoder_reaches_the_engine_only_on_a_gpu(
     }
     level = EngineConfig(compile_vision_encoder=True, extra={"compilation_config": 3})
     assert Engine(level, "m").engine_kwargs()["compilation_config"] == 3
+
+
+def test_gpus_the_engines_leave_unused_are_named_with_the_settings_that_use_them() -> None:
+    """One engine (or two sharing the first GPU) on an 8-GPU node used one GPU of eight, with
+    nothing said."""
+    node = Hardware(gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GIB, gpus=8, cores=96)
+    warning = fast_defaults.idle_gpus(node, 1)
+    assert warning is not None and "8 GPUs visible" in warning
+    assert "engine.data_parallel_size=8" in warning and "CUDA_VISIBLE_DEVICES" in warning
+    assert fast_defaults.idle_gpus(node, 8) is None
+    assert fast_defaults.idle_gpus(H100, 1) is None
+    assert fast_defaults.idle_gpus(CPU, 1) is None

@@ -60,6 +60,9 @@ def test_inline_media_is_base64_on_the_wire_and_bytes_in_python() -> None:
         ),
         (_job(schema_version="2.0"), UnsupportedVersion, ErrorCode.UNSUPPORTED_VERSION),
         (_job(schema_version="one"), InvalidSchema, ErrorCode.INVALID_SCHEMA),
+        # Unicode digits that int() refuses: were an internal_error with a traceback
+        (_job(schema_version="\u00b2.0"), InvalidSchema, ErrorCode.INVALID_SCHEMA),
+        (_job(schema_version="1.\u0663"), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(generation={"max_tokens": 0}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(generation={"ignore_eos": "maybe"}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
         (_job(metadata={"blob": "x" * 20000}), InvalidSchema, ErrorCode.INVALID_SCHEMA),
