@@ -76,6 +76,9 @@ _KEY_RE = re.compile(r"[0-9a-f]{64}")
 # Bounds that no sane entry exceeds; they stop a corrupt header from driving huge allocations.
 _MAX_NDIM = 8
 _MAX_DTYPE_LEN = 32
+#: Far above any prepared media (a 768-frame video at Qwen's largest frames is ~0.5 GB of uint8):
+#: a larger payload length is damage, and must not be allocated.
+_MAX_RAW_BYTES = 4 * 1024**3
 
 
 class CacheError(WorkerError):
@@ -240,14 +243,22 @@ def _decode(blob: bytes, dctx: zstandard.ZstdDecompressor) -> tuple[int, _Array,
         raise _CorruptEntry(f"size {len(blob)} != expected {pos + comp_len} (truncated?)")
     try:
         dtype = np.dtype(dtype_b.decode("ascii"))
-    except (UnicodeDecodeError, TypeError) as e:
+    except (UnicodeDecodeError, TypeError, ValueError, SyntaxError) as e:
+        # numpy parses a damaged dtype string (",u1", "|01") with its own grammar's errors
         raise _CorruptEntry(f"bad dtype {dtype_b!r}") from e
     if dtype.hasobject:
         raise _CorruptEntry("object dtype")
     shape = struct.unpack(f"<{ndim}Q", shape_b)
     if math.prod(shape) * dtype.itemsize != raw_len:
         raise _CorruptEntry("shape/dtype disagree with payload length")
+    if raw_len > _MAX_RAW_BYTES:
+        raise _CorruptEntry(f"implausible payload of {raw_len} bytes")
     try:
+        # zstd ignores max_output_size when the frame's header states a content size: one
+        # flipped bit there asked for 17.5 TB (MemoryError), before the checksum could tell.
+        declared = zstandard.frame_content_size(memoryview(blob)[pos:])
+        if declared not in (-1, raw_len):
+            raise _CorruptEntry(f"zstd frame declares {declared} bytes, header {raw_len}")
         raw = dctx.decompress(memoryview(blob)[pos:], max_output_size=raw_len)
     except zstandard.ZstdError as e:
         raise _CorruptEntry(f"zstd: {e}") from e

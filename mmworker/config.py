@@ -324,7 +324,10 @@ class PreprocessConfig(_Section):
         1280 * 28 * 28, ge=28 * 28, description="Default cap: 1,280 visual tokens per image"
     )
     max_aspect_ratio: float = Field(
-        200.0, gt=1, description="Longer/shorter side above this is refused (Qwen's limit)"
+        200.0,
+        gt=1,
+        allow_inf_nan=False,  # inf reached the cache key's JSON, which refuses it: every job
+        description="Longer/shorter side above this is refused (Qwen's limit)",
     )
     max_source_pixels: int = Field(
         178_956_970, ge=1, description="Refuse to decode larger images (decompression bombs)"
@@ -334,7 +337,7 @@ class PreprocessConfig(_Section):
     )
     video_fps: float = Field(2.0, gt=0, description="Sampling rate for the fps strategy")
     video_interval_s: float = Field(
-        5.0, gt=0, description="Seconds between frames for the interval strategy"
+        5.0, ge=0.01, description="Seconds between frames for the interval strategy"
     )
     video_max_frames: int = Field(
         64, ge=2, le=768, description="Most frames taken from one video (even)"

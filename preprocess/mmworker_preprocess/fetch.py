@@ -159,7 +159,10 @@ def _checked_path(uri: str, policy: FetchPolicy) -> tuple[str, str]:
     """(path as given, real path inside an allowed root), or ForbiddenUri."""
     if not policy.allowed_roots:
         raise ForbiddenUri("file:// URIs are disabled: the worker has no allowed roots configured")
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # "file://[/x": an unclosed bracket reads as an IPv6 host
+        raise MalformedUri(f"malformed URI {_clip(uri)}: {exc}") from None
     if parts.netloc not in ("", "localhost"):
         raise ForbiddenUri(f"file URI host must be empty or localhost, not {parts.netloc!r}")
     path = unquote(parts.path)

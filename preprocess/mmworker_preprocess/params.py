@@ -17,8 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 #: Bumped whenever a change to this package alters the pixels it produces, so stale cache
-#: entries are never served.
-PREPROCESS_VERSION = 2
+#: entries are never served. 3: a video shrunk to its token budget was reported unfitted and
+#: filed under the key of no budget, where later jobs without one found the small frames.
+PREPROCESS_VERSION = 3
 
 IMAGE_FACTOR = 28
 MIN_PIXELS = 4 * 28 * 28

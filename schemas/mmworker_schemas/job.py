@@ -96,11 +96,16 @@ class GenerationParams(_Frozen):
     )
 
 
+#: Largest pixel count a job may ask for (a gigapixel): far above any image Qwen2.5-VL is
+#: given, and small enough that the resize arithmetic in floats cannot overflow (10**400 did).
+MAX_PIXELS_OPTION = 1 << 30
+
+
 class ImageOptions(_Frozen):
     """Overrides of the worker's image defaults; None keeps the worker's value."""
 
-    min_pixels: int | None = Field(default=None, ge=28 * 28)
-    max_pixels: int | None = Field(default=None, ge=28 * 28)
+    min_pixels: int | None = Field(default=None, ge=28 * 28, le=MAX_PIXELS_OPTION)
+    max_pixels: int | None = Field(default=None, ge=28 * 28, le=MAX_PIXELS_OPTION)
 
 
 class VideoOptions(_Frozen):
@@ -109,10 +114,16 @@ class VideoOptions(_Frozen):
     strategy: VideoStrategy | None = None
     fps: float | None = Field(default=None, gt=0.0, le=30.0, description="For strategy 'fps'")
     interval_s: float | None = Field(
-        default=None, gt=0.0, le=3600.0, description="For strategy 'interval'"
+        # From 10 ms (fps's 30 is 33 ms): 1e-320 made the frame count infinite (OverflowError)
+        default=None,
+        ge=0.01,
+        le=3600.0,
+        description="For strategy 'interval'",
     )
     max_frames: int | None = Field(default=None, ge=2, le=768)
-    max_pixels: int | None = Field(default=None, ge=28 * 28, description="Per frame")
+    max_pixels: int | None = Field(
+        default=None, ge=28 * 28, le=MAX_PIXELS_OPTION, description="Per frame"
+    )
 
 
 TASK_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"

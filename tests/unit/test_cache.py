@@ -303,6 +303,11 @@ def flip_meta_byte(data: bytes) -> bytes:
     return data[:i] + (b"9" if data[i : i + 1] != b"9" else b"8") + data[i + 1 :]
 
 
+def flip_frame_descriptor(data: bytes) -> bytes:
+    i = data.index(b"\x28\xb5\x2f\xfd") + 4  # zstd's frame magic, then its descriptor byte
+    return data[:i] + bytes([data[i] ^ 0x80]) + data[i + 1 :]
+
+
 CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
     "flip_payload": flip_last_byte,
     "flip_meta": flip_meta_byte,
@@ -313,6 +318,12 @@ CORRUPTIONS: dict[str, Callable[[bytes], bytes]] = {
     "wrong_magic": lambda d: b"XXXX" + d[4:],
     "wrong_version": lambda d: d[:4] + bytes([99]) + d[5:],
     "appended": lambda d: d + b"\0",
+    # numpy raises its own grammar's SyntaxError / ValueError for these
+    "dtype_syntax": lambda d: d.replace(b"|u1", b",u1", 1),
+    "dtype_value": lambda d: d.replace(b"|u1", b"|01", 1),
+    # The zstd frame's descriptor asks for an 8-byte content size: terabytes, which zstd would
+    # have allocated (MemoryError) before the checksum could tell.
+    "zstd_content_size": flip_frame_descriptor,
 }
 
 

@@ -232,3 +232,9 @@ def test_the_default_preprocessing_pool_counts_the_cores_this_process_may_use(
 
     monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     assert load_config().preprocess.workers == 7
+
+
+def test_an_infinite_aspect_ratio_limit_is_refused() -> None:
+    """It passed, and every media item then failed: the cache key's JSON refuses inf."""
+    with pytest.raises(ValidationError, match="finite"):
+        load_config(preprocess={"max_aspect_ratio": float("inf")})

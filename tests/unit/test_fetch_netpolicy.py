@@ -320,3 +320,14 @@ def test_a_resolver_answer_that_is_not_an_address_is_permanent(monkeypatch):
     with pytest.raises(FetchFailed, match="not an IP address") as info:
         check_allowed(MediaRef(uri="http://media.test/a.png"), FetchPolicy())
     assert not info.value.retryable
+
+
+@pytest.mark.parametrize("uri", ["file://[/tmp/a.png", "file://[::1/tmp/a.png"])
+def test_a_malformed_file_uri_is_a_typed_failure_too(uri: str, tmp_path) -> None:
+    """urlsplit raises ValueError for an unclosed bracket: it was an internal_error."""
+    ref = MediaRef.model_construct(uri=uri, data=None, sha256=None)
+    policy = FetchPolicy(allowed_roots=(tmp_path,))
+    for call in (lambda: fetch_bytes(ref, policy), lambda: check_allowed(ref, policy)):
+        with pytest.raises(MalformedUri) as info:
+            call()
+        assert info.value.code is ErrorCode.FORBIDDEN_URI

@@ -128,6 +128,10 @@ def test_an_overlong_video_gets_smaller_frames_first() -> None:
         max_ratio=VideoParams().max_ratio, video=True,
     )  # fmt: skip
     assert abs(w / h - WIDTH / HEIGHT) < 0.1  # shrunk, not squeezed
+    # Said so: the media stage files an unfitted video under the key without a budget, where
+    # any later job finds it. The shrunk frames were filed there (the plan was shrunk in place),
+    # and a job with no budget got them from the cache, under the same vLLM uuid.
+    assert fitted.fitted and not whole.fitted
 
 
 def test_then_fewer_frames_spread_over_the_whole_video() -> None:

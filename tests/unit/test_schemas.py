@@ -161,3 +161,20 @@ def test_job_is_frozen() -> None:
     job = Job.model_validate_json(_job())
     with pytest.raises(ValueError):
         job.job_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"image": {"min_pixels": 10**400}},  # OverflowError in smart_resize
+        {"image": {"max_pixels": 10**400}},  # OverflowError in the token budget's bound
+        {"video": {"max_pixels": 10**400}},
+        {"video": {"strategy": "interval", "interval_s": 1e-320}},  # infinite frame count
+    ],
+)
+def test_media_options_the_arithmetic_cannot_take_are_invalid_schema(
+    options: dict[str, object],
+) -> None:
+    """They passed validation and failed in preprocessing as internal_error with a traceback."""
+    with pytest.raises(InvalidSchema):
+        parse_job(_job(**options))

@@ -96,5 +96,5 @@ def prepare_video(
         sample_fps=plan.sample_fps,
         partial=partial,
         full_duration_s=timeline.expected_s if partial else None,
-        fitted=plan is not unfitted,
+        fitted=plan != unfitted,
     )

@@ -96,8 +96,9 @@ def fit(timeline: Timeline, params: VideoParams, plan: Plan, coded: tuple[int, i
         video=True,
     )
     assert cap is not None, "the floor fits: pairs was counted at it"
-    plan.frame_pixels = cap
-    return plan
+    # A new plan, never the one given: the caller tells a fitted video by comparing the two,
+    # and files an unfitted one where jobs without a budget look.
+    return replace(plan, frame_pixels=cap)
 
 
 def _floor_even(n: float) -> int:
