@@ -443,7 +443,12 @@ class CacheConfig(_Section):
         description="Local directory of the feature cache",
         json_schema_extra={"default_doc": "$XDG_CACHE_HOME/mmworker/features"},
     )
-    max_bytes: int = Field(10 * 1024**3, ge=1024 * 1024, description="Byte budget (LRU)")
+    max_bytes: int = Field(
+        10 * 1024**3,
+        ge=1024 * 1024,
+        description="Byte budget of the directory (LRU); with processes > 1 each process keeps "
+        "an equal share",
+    )
     zstd_level: int = Field(
         1, ge=1, le=22, description="zstd level of cache entries (1: half the time of 3)"
     )

@@ -503,9 +503,11 @@ class MediaStage:
         self, ref: MediaRef, image: ImageParams, video: VideoParams, handle: FetchHandle
     ) -> _Acquired:
         """Cache lookup, fetch, hash and sniff in one thread hop (each hop costs a loop wake-up)."""
-        if ref.sha256 is not None:
+        if ref.sha256 is not None and ref.data is None:
             # A declared hash names the content before we have it: a hit skips the fetch too,
-            # but not the rules on where media may come from.
+            # but not the rules on where media may come from. Inline bytes are here already:
+            # they are hashed, so a wrong hash beside them is checksum_mismatch, never another
+            # media's features.
             check_allowed(ref, self._policy)
             for params in (image, video):
                 key, hit = self._lookup(ref.sha256, params)

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
     """The settings of child `index`: an equal share of the GPU memory (unless they share one
     engine core, which gets all of it; `fast_defaults.engine_memory_share` leaves headroom
-    beside each when the fraction is the default) and of the CPU pool."""
+    beside each when the fraction is the default), of the CPU pool and of the feature cache's
+    byte budget."""
     n = cfg.processes
     engine = cfg.engine
     if not engine.shared_core:
@@ -61,12 +62,16 @@ def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
     preprocess = cfg.preprocess
     if "workers" not in preprocess.model_fields_set:  # the default is per host: split it
         preprocess = preprocess.model_copy(update={"workers": max(1, preprocess.workers // n)})
+    # One directory, and each process evicts only the entries it knows (its own, and those on
+    # disk when it started): with the whole budget each, the directory grew to N x max_bytes.
+    cache = cfg.cache.model_copy(update={"max_bytes": max(1, cfg.cache.max_bytes // n)})
     port = cfg.metrics_port
     return cfg.model_copy(
         update={
             "processes": 1,
             "engine": engine,
             "preprocess": preprocess,
+            "cache": cache,
             "worker_id": f"{cfg.worker_id}-{index}",
             # The supervisor answers on `port` for all (`_serve_health`); child i on port + 1 + i.
             "metrics_port": port + 1 + index if port else port,

@@ -405,7 +405,11 @@ def _connect(
     """Connect (and for https, handshake) to the first vetted address that answers."""
     last: OSError | None = None
     for address in addresses:
-        raw = _open_socket(address)
+        try:
+            raw = _open_socket(address)
+        except OSError as exc:  # no descriptors left (EMFILE), or IPv6 on an IPv4-only host
+            last = exc
+            continue
         handle._hold(raw)
         try:
             raw.settimeout(_remaining(deadline, target))

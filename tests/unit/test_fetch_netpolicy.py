@@ -331,3 +331,17 @@ def test_a_malformed_file_uri_is_a_typed_failure_too(uri: str, tmp_path) -> None
         with pytest.raises(MalformedUri) as info:
             call()
         assert info.value.code is ErrorCode.FORBIDDEN_URI
+
+
+def test_a_socket_that_cannot_be_created_is_a_fetch_failure(monkeypatch) -> None:
+    """EMFILE, or an IPv6 address on a host without IPv6: a bare OSError was internal_error."""
+    import errno
+
+    def no_socket(address: str):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(fetch, "_resolve", lambda host, port: ["93.184.216.34"])
+    monkeypatch.setattr(fetch, "_open_socket", no_socket)
+    ref = MediaRef(uri="http://media.test/a.png")
+    with pytest.raises(FetchFailed, match="Too many open files"):
+        fetch_bytes(ref, FetchPolicy())

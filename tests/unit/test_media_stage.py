@@ -58,6 +58,24 @@ def test_declared_hash_hit_still_obeys_the_uri_rules(tmp_path: Path) -> None:
     pool.shutdown(wait=True)
 
 
+def test_inline_bytes_beside_another_medias_hash_are_a_checksum_mismatch(tmp_path: Path) -> None:
+    """Inline bytes with the declared hash of a cached media got that media's features (and its
+    caption): the declared-hash shortcut is for URIs, whose bytes are not here yet."""
+    from mmworker_preprocess.errors import ChecksumMismatch
+
+    cached = sample_image(640, 480, seed=5)
+    other = sample_image(640, 480, seed=6)
+    stage, pool = _stage(tmp_path, ())
+    asyncio.run(stage.prepare(Job(job_id="j1", media=[MediaRef(data=cached)])))
+    pool.shutdown(wait=True)  # the background cache write is done
+
+    stage, pool = _stage(tmp_path, ())
+    borrowed = MediaRef(data=other, sha256=hashlib.sha256(cached).hexdigest())
+    with pytest.raises(ChecksumMismatch):
+        asyncio.run(stage.prepare(Job(job_id="j2", media=[borrowed])))
+    pool.shutdown(wait=True)
+
+
 class _GatedPool(ThreadPoolExecutor):
     """One worker thread; every task waits for `gate`, so the test decides when decodes run."""
 

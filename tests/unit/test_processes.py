@@ -32,6 +32,9 @@ def test_children_split_gpu_memory_and_the_default_pool() -> None:
         assert child.preprocess.workers == max(1, cfg.preprocess.workers // 2)
         assert child.kafka == cfg.kafka  # one consumer group
     assert (first.worker_id, second.worker_id) == ("host-0", "host-1")
+    # One cache directory: each process evicts what it knows, so each keeps its share.
+    assert first.cache.max_bytes + second.cache.max_bytes <= cfg.cache.max_bytes
+    assert first.cache.directory == cfg.cache.directory
     # 9400 is the supervisor's, answering for both (mmworker.processes._serve_health).
     assert (first.metrics_port, second.metrics_port) == (9401, 9402)
 
