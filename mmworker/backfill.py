@@ -99,12 +99,16 @@ class Row:
     fields: dict[str, Any]
 
 
+#: The first (and last) four bytes of every Parquet file.
+PARQUET_MAGIC = b"PAR1"
+
+
 def manifest_kind(spec: str) -> str:
     """'dir', 'glob', 'jsonl', 'csv' or 'parquet', from what `spec` names."""
     path = Path(spec)
     if path.is_dir():
         return "dir"
-    if glob.has_magic(spec):
+    if glob.has_magic(spec) and not path.is_file():  # "batch[2024].jsonl" is a file's name
         return "glob"
     suffix = path.suffix.lower()
     for kind, suffixes in (
@@ -140,9 +144,7 @@ def count_rows(spec: str) -> int | None:
     """The manifest's row count for the progress bar, where it is cheap; None otherwise."""
     kind = manifest_kind(spec)
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(spec).metadata.num_rows)
+        return int(_parquet_file(spec).metadata.num_rows)
     if kind == "jsonl":
         with open(spec, "rb") as f:
             return sum(1 for line in f if line.strip())
@@ -192,14 +194,9 @@ def _manifest_columns(spec: str) -> tuple[list[str] | None, str]:
     if kind in ("dir", "glob"):
         return ["uri"], " (a directory or glob gives one)"
     if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.ParquetFile(spec).schema_arrow.names), ""
+        return list(_parquet_file(spec).schema_arrow.names), ""
     if kind == "csv":
-        delimiter = "\t" if Path(spec).suffix.lower() == ".tsv" else ","
-        with open(spec, newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f, delimiter=delimiter), None)
-        return header, ""
+        return _csv_header(Path(spec)), ""
     names: dict[str, None] = {}
     rows = 0
     for rows, doc in enumerate(_jsonl_rows(Path(spec)), 1):
@@ -224,15 +221,45 @@ def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with _csv_reader(path, csv.DictReader) as rows:
+        yield from rows
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    with _csv_reader(path, csv.reader) as rows:
+        return next(rows, None)
+
+
+@contextlib.contextmanager
+def _csv_reader(path: Path, kind: Callable[..., Any]) -> Iterator[Any]:
+    """A reader of a CSV or TSV manifest: UTF-8, with or without the byte-order mark that
+    spreadsheets write ("CSV UTF-8", whose first column was read as "\ufeffuri"); a file in
+    another encoding is the manifest's error (one line), not a traceback mid-run."""
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    with path.open(newline="", encoding="utf-8") as f:
-        yield from csv.DictReader(f, delimiter=delimiter)
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        try:
+            yield kind(f, delimiter=delimiter)
+        except UnicodeDecodeError as exc:
+            raise ManifestError(
+                f"manifest {path}: not UTF-8 ({exc.reason} at byte {exc.start} of a read); "
+                "save it as UTF-8"
+            ) from None
+
+
+def _parquet_file(path: Path | str) -> Any:
+    """The manifest's ParquetFile; a file that is not Parquet, or a damaged one, is the
+    manifest's error (one line), not pyarrow's traceback."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ManifestError(f"manifest {path}: not a readable Parquet file ({exc})") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+    for batch in _parquet_file(path).iter_batches(batch_size=4096):
         yield from batch.to_pylist()
 
 
@@ -555,8 +582,16 @@ def output_format(out: Path, given: str | None) -> str:
     raise ConfigError(f"--out {out}: name it .parquet or .jsonl, or say which with --format")
 
 
+def written_format(out: Path) -> str:
+    """The format an existing output is in, from its bytes: `--format` may have overridden its
+    name's suffix (`--out res.out --format parquet`), and a re-run or a replay must read, and
+    rewrite, what was written."""
+    with out.open("rb") as f:
+        return "parquet" if f.read(4) == PARQUET_MAGIC else "jsonl"
+
+
 def read_output(out: Path) -> Iterator[dict[str, Any]]:
-    if out.suffix.lower() in PARQUET_SUFFIXES:
+    if written_format(out) == "parquet":
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(out).iter_batches(batch_size=4096):

@@ -14,6 +14,7 @@ import difflib
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -521,7 +522,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     cfg = _load_for_client(args)
     parse_when(args.since)  # a mistake first, before the brokers are reached
-    if args.watch is not None and args.watch <= 0:
+    if args.watch is not None and not 0 < args.watch < math.inf:  # nan passed `<= 0`
         raise ConfigError(f"-w {args.watch}: refresh every so many seconds, more than 0")
     _check_brokers(cfg, args)
     return run_status(cfg, as_json=args.json, watch_s=args.watch, since=args.since)
@@ -765,6 +766,12 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
+    except Interrupted:
+        if args.fn in (cmd_submit, cmd_backfill, cmd_replay):
+            # Stopped before their own handler: 130 all the same, as a shell's `&&` must see a
+            # posting command that did not finish (their documented code).
+            return ExitCode.INTERRUPTED
+        raise
     except ValidationError as exc:
         return _fail(explain_invalid(exc, args), args)
     except WorkerError as exc:

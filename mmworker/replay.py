@@ -45,8 +45,13 @@ def parse_when(text: str, now: datetime | None = None) -> datetime:
     """An ISO 8601 time (UTC when it names no zone) or an age such as 90s, 30m, 2h, 7d."""
     match = _DURATION.match(text.strip())
     if match:
-        age = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
-        return (now or datetime.now(UTC)) - age
+        try:
+            age = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+            return (now or datetime.now(UTC)) - age
+        except OverflowError:  # 1000000d: before the year 1
+            raise ConfigError(
+                f"{text!r} reaches back before any time a record can have: give a smaller age"
+            ) from None
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -127,7 +132,7 @@ class Scan:
 
     chosen: dict[str, tuple[Failure, tuple[int, int]]] = field(default_factory=dict)
     scanned: int = 0
-    matched: int = 0  # selected records, a job's earlier failures included
+    matched: int = 0  # records of the selected jobs, their earlier failures included
     unreadable: int = 0
 
 
@@ -143,6 +148,8 @@ def scan(cfg: WorkerConfig, selection: Selection) -> Scan:
         **cfg.kafka.client_kwargs(),
     )  # fmt: skip
     out = Scan()
+    #: each job's latest failure, where it is, and how many records the job has
+    latest: dict[str, tuple[Failure, tuple[int, int], int]] = {}
     try:
         found = consumer.partitions_for_topic(dlq)
         if not found:
@@ -164,13 +171,19 @@ def scan(cfg: WorkerConfig, selection: Selection) -> Scan:
                 except ValidationError:
                     out.unreadable += 1
                     continue
-                if selection.wants(failure):
-                    out.matched += 1  # a job's later failure replaces its earlier one
-                    out.chosen[_key(failure)] = (failure, (record.partition, record.offset))
+                # The selection is of each job's latest failure: an earlier one that matches
+                # (fetch_failed, then a permanent failure on its replay) is not replayed again.
+                key = _key(failure)
+                seen = latest[key][2] if key in latest else 0
+                latest[key] = (failure, (record.partition, record.offset), seen + 1)
     finally:
         from mmworker.backfill import close_reader
 
         close_reader(consumer)  # kafka-python's own close races its I/O thread (issue #35)
+    for key, (failure, where, records) in latest.items():
+        if selection.wants(failure):
+            out.chosen[key] = (failure, where)
+            out.matched += records
     return out
 
 
@@ -358,9 +371,9 @@ def update_backfill_output(
     """Rewrite the output with the replays' answers in their rows (same order, same row, row
     number, source and metadata columns), atomically, and drop the rows that are ok now from
     the retry manifest, which lists the failed rows in the same order."""
-    from mmworker.backfill import PARQUET_SUFFIXES, read_output, write_rows
+    from mmworker.backfill import read_output, write_rows, written_format
 
-    fmt = "parquet" if out.suffix.lower() in PARQUET_SUFFIXES else "jsonl"
+    fmt = written_format(out)
     retry = out.with_name(out.stem + ".retry.jsonl")
     retry_lines = retry.read_text(encoding="utf-8").splitlines(True) if retry.exists() else []
     failed_before = sum(1 for r in read_output(out) if r.get("outcome") == "failed")

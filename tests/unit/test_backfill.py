@@ -122,6 +122,45 @@ def test_manifest_mistakes_are_one_line_errors(tmp_path: Path) -> None:
         list(read_manifest(str(tmp_path / "bad.jsonl")))
 
 
+def test_manifests_a_user_may_hand_over_are_read_or_refused_in_one_line(tmp_path: Path) -> None:
+    """A file named like a glob is that file (it read as a glob matching nothing: an empty,
+    "successful" backfill); a spreadsheet's "CSV UTF-8" starts with a byte-order mark (its first
+    column read as "\ufeffuri"); another encoding and a damaged Parquet file were tracebacks."""
+    named = tmp_path / "batch[2024].jsonl"
+    named.write_text('{"uri": "https://example.org/a.jpg"}\n')
+    assert [r.fields["uri"] for r in read_manifest(str(named))] == ["https://example.org/a.jpg"]
+    bom = tmp_path / "sheet.csv"
+    bom.write_bytes(b"\xef\xbb\xbfuri,album\nhttps://example.org/a.jpg,x\n")
+    assert [r.fields for r in read_manifest(str(bom))] == [
+        {"uri": "https://example.org/a.jpg", "album": "x"}
+    ]
+    check_columns(str(bom), Columns())
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"uri,album\nhttps://example.org/a.jpg,caf\xe9\n")
+    with pytest.raises(ManifestError, match="not UTF-8"):
+        list(read_manifest(str(latin)))
+    damaged = tmp_path / "damaged.parquet"
+    damaged.write_bytes(b"PAR1 not really")
+    for read in (lambda: list(read_manifest(str(damaged))), lambda: count_rows(str(damaged))):
+        with pytest.raises(ManifestError, match="not a readable Parquet file"):
+            read()
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("res.out", "parquet"), ("res.parquet", "jsonl")])
+def test_an_output_is_read_in_the_format_it_was_written(
+    tmp_path: Path, name: str, fmt: str
+) -> None:
+    """`--format` may override the name's suffix; a re-run of the finished backfill (and a
+    replay into it) read the output by its suffix and failed with a traceback."""
+    from mmworker.backfill import read_output, write_rows, written_format
+
+    out = tmp_path / name
+    rows = [{"job_id": "bf/a", "outcome": "ok"}]
+    write_rows(out, fmt, iter(rows))
+    assert written_format(out) == fmt
+    assert [r["job_id"] for r in read_output(out)] == ["bf/a"]
+
+
 def _id(row: Row, cols: Columns, defaults: Defaults = DEFAULTS, name: str = "bf") -> str:
     return plan(row, name, cols, defaults, Path("/m")).job_id
 

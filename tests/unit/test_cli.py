@@ -772,6 +772,9 @@ def test_every_run_flag_sets_its_setting(tmp_path: Path, clean_env: None) -> Non
          "invalid sampling option: --max-tokens 0"),
         (["replay", "--code", "fetch_failed,nope"], "--code nope: no such failure code"),
         (["replay", "--since", "yesterday"], "'yesterday' is not a time"),
+        # were tracebacks: OverflowError, and time.sleep(nan)'s ValueError once watching
+        (["replay", "--since", "1000000d"], "'1000000d' reaches back before any time"),
+        (["status", "-w", "nan"], "-w nan: refresh every so many seconds"),
     ],
 )  # fmt: skip
 def test_backfill_and_replay_mistakes_are_one_line_before_the_brokers(
@@ -819,3 +822,23 @@ def test_kafka_pythons_slow_task_warning_is_noise() -> None:
     rendered = "Task <kafka.net.selector.Task object at 0x7f> ran for 0.2s (>0.1s threshold)."
     record = logging.LogRecord("kafka.net.selector", logging.WARNING, "f", 1, rendered, (), None)
     assert not logs.KnownNoise().filter(record)
+
+
+@pytest.mark.parametrize(("command", "want"), [("submit", 130), ("run", 0)])
+def test_a_stop_before_a_commands_own_handler_keeps_its_documented_code(
+    monkeypatch: pytest.MonkeyPatch, command: str, want: int
+) -> None:
+    """Ctrl-C while `submit` checked the brokers (before its own handler) exited 0, so a shell's
+    `&&` went on as if the jobs were posted; `run` stopped before consuming is a stop: 0."""
+    import signal
+
+    from mmworker import cli
+    from mmworker.exits import Interrupted
+
+    def interrupted(*_args: object) -> None:
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(cli, "_check_brokers", interrupted)
+    monkeypatch.setattr(cli, "check_model", lambda model, source: None)
+    argv = {"submit": ["submit", "https://example.org/a.jpg"], "run": ["run"]}[command]
+    assert cli.main(argv) == want

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from mmworker_schemas import Failure, SourceCoords
 from mmworker_schemas.codes import ErrorCode
 
 from mmworker.backfill import OUTPUT_COLUMNS, journal_path, read_output, write_rows
+from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.errors import ConfigError
 from mmworker.replay import (
     Selection,
@@ -137,3 +139,32 @@ def test_an_unfinished_backfill_is_not_replayed_into(tmp_path: Path) -> None:
     journal_path(out).write_text("")
     with pytest.raises(ConfigError, match="not finished"):
         backfill_failures(out)
+
+
+def test_the_selection_is_of_each_jobs_latest_failure(broker: EmbeddedBroker) -> None:
+    """On the real broker: j1 failed to fetch, was replayed, and then failed for good; a
+    `--retryable-only` replay re-posted its first failure's payload all the same (the filter
+    ran before each job's latest failure was picked). j2's only failure is retryable."""
+    from kafka import KafkaProducer
+
+    from mmworker.config import load_config
+    from mmworker.kafka_io import ensure_topics
+    from mmworker.replay import scan
+
+    dlq = f"dlq-{uuid.uuid4().hex[:6]}"
+    cfg = load_config(kafka={"bootstrap_servers": broker.bootstrap, "dead_letter_topic": dlq})
+    ensure_topics(cfg.kafka, {dlq: 1})
+    first = _failure()
+    final = _failure(ErrorCode.UNDECODABLE_IMAGE, failed_at=NOW + timedelta(minutes=5))
+    other = _failure(job_id="j2")
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    for failure in (first, final, other):
+        producer.send(dlq, failure.model_dump_json().encode()).get(10)
+    producer.close()
+
+    found = scan(cfg, Selection(retryable_only=True))
+    assert set(found.chosen) == {"j2"}, found.chosen
+    assert (found.scanned, found.matched) == (3, 1)
+    everything = scan(cfg, Selection())
+    assert everything.chosen["j1"][0].code == ErrorCode.UNDECODABLE_IMAGE
+    assert (everything.matched, len(everything.chosen)) == (3, 2)
