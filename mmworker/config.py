@@ -607,8 +607,9 @@ class TaskConfig(_Section):
     )
     segments: SegmentSpec | None = Field(
         None,
-        description="Segment mode for the task's video jobs that set none (a backfill asks for "
-        "it once); a job's own `segments` wins",
+        description="Segment mode for the task's jobs of one media item that set none (a "
+        "backfill asks for it once); a job's own `segments` wins; jobs of several items run as "
+        "one request; an image is unsupported_media in segment mode",
     )
 
     @field_validator("prompt")

@@ -144,6 +144,12 @@ async def run_segments(
                 )
                 break
             await room.acquire()
+            if (failed := _fatal(tasks)) is not None:
+                # The engine died under an earlier segment (its slot came back with the error):
+                # no further segment is decoded or sent, or they would queue for the dead engine
+                # and then run on its successor beside innocent jobs, this job being a suspect.
+                room.release()
+                raise failed
             t1 = time.perf_counter()
             try:
                 seg, cached = await media.decode_segment(data, sha, params, rule, start)
@@ -180,6 +186,15 @@ async def run_segments(
     summary, summary_out = await _summarise(job, spec, slots, generate)
     return _result(job, ctx, slots, sha, summary, summary_out, cut, fetch_s, decode_s,
                    queue_wait_s, time.perf_counter() - t0)  # fmt: skip
+
+
+def _fatal(tasks: list[asyncio.Task[None]]) -> BaseException | None:
+    """The error of a caption task that ended the job (an engine death; `_caption` keeps every
+    per-segment failure in its slot), if one has."""
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            return task.exception()
+    return None
 
 
 async def _caption(

@@ -161,3 +161,26 @@ def test_a_retryable_segment_failure_is_tried_once_more_and_a_permanent_one_is_n
     assert tries["10.0s"] == SEGMENT_ATTEMPTS
     assert tries["30.0s"] == 1
     assert tries["0.0s "] == 1
+
+
+def test_an_engine_death_under_one_segment_stops_the_job_sending_more() -> None:
+    """Every segment was decoded and sent after the engine had died under the first: they
+    waited for the dead engine, then ran on the new one beside innocent jobs, this job being a
+    suspect. Now the death ends the job at the next segment it would start."""
+    from mmworker.errors import EngineFatal
+
+    calls = 0
+
+    async def dies(*_: object) -> EngineOutput:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise EngineFatal("engine died: test")
+        await asyncio.sleep(0.05)
+        return _answer("ok")
+
+    media = _Media()
+    with pytest.raises(EngineFatal):
+        asyncio.run(_run(_job(every_s=2.0), media, dies))
+    assert calls <= SEGMENTS_IN_FLIGHT, calls  # of 30 segments
+    assert media.decoded <= SEGMENTS_IN_FLIGHT + 1, media.decoded

@@ -82,3 +82,8 @@ def test_task_segments_apply_unless_the_job_sets_its_own() -> None:
     job, _ = plan_job(own, tasks)
     assert job.segments is not None
     assert job.segments.mode == "scenes"
+    # A job of several items cannot be segmented (segment mode reads the first alone, and the
+    # others were dropped without a word): it runs as one request, every item in it.
+    several = parse_job(_job(task="chapters", media=[VIDEO, {"uri": "file:///data/b.mp4"}]))
+    job, _ = plan_job(several, tasks)
+    assert job.segments is None and len(job.media) == 2
