@@ -38,22 +38,33 @@ class WaitClock:
         self._limit = limit
         #: Seconds this attempt spent waiting here (its job deadline moves by as much).
         self.waited_s = 0.0
+        #: Requests of this attempt waiting now: a segmented job's segments wait side by side,
+        #: and the clock runs again only once the last of them is through. (With one stop per
+        #: waiter, the first to leave restarted the clock under the others: job_timeout while
+        #: waiting.)
+        self._waiting = 0
+        self._when = 0.0
+        self._since = 0.0
 
     @contextlib.contextmanager
     def stopped(self) -> Iterator[None]:
-        when = self._limit.when()
-        if when is None or self._limit.expired():
-            yield
-            return
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        self._limit.reschedule(None)
+        if self._waiting == 0:
+            when = self._limit.when()
+            if when is None or self._limit.expired():
+                yield
+                return
+            self._when, self._since = when, loop.time()
+            self._limit.reschedule(None)
+        self._waiting += 1
         try:
             yield
         finally:
-            waited = loop.time() - start
-            self.waited_s += waited
-            self._limit.reschedule(when + waited)
+            self._waiting -= 1
+            if self._waiting == 0:
+                waited = loop.time() - self._since
+                self.waited_s += waited
+                self._limit.reschedule(self._when + waited)
 
 
 #: The clock of the attempt running in this task, None outside one (a test calling the gate).

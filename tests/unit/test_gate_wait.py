@@ -119,3 +119,25 @@ def test_the_attempt_timeout_still_bounds_the_jobs_own_engine_time() -> None:
     assert backfill.code == "job_timeout"
     assert "engine gate" in backfill.message, backfill.message
     assert engine.ran[STEPS] == "bf"
+
+
+def test_requests_of_one_attempt_waiting_side_by_side_stop_its_clock_until_the_last_is_through(
+) -> None:  # fmt: skip
+    """A segmented job's segments wait at the gate together. The first through restarted the
+    clock under the others, and the attempt's limit (0.3 s here) fired while one still waited."""
+    from mmworker.gate import WaitClock
+
+    async def scenario() -> float:
+        async with asyncio.timeout(0.3) as limit:
+            clock = WaitClock(limit)
+
+            async def wait(seconds: float) -> None:
+                with clock.stopped():
+                    await asyncio.sleep(seconds)
+
+            await asyncio.gather(wait(0.2), wait(0.6))
+            when = limit.when()
+            assert when is not None and when > asyncio.get_running_loop().time()
+            return clock.waited_s
+
+    assert 0.55 < asyncio.run(scenario()) < 1.0
