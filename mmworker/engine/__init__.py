@@ -99,6 +99,7 @@ class Engine:
         self._encoder_store = encoder_store
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._vocab_size = 0
         self._raw_pixels = False
         self._prompts: dict[tuple[str, tuple[str, ...]], tuple[str, int]] = {}
         self._busy_since: float | None = None
@@ -180,6 +181,7 @@ class Engine:
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, revision=self._cfg.model_revision
         )
+        self._vocab_size = int(self._llm.model_config.get_vocab_size())
         log.info("engine ready in %.1fs (%s)", time.monotonic() - t0, self.model_path)
 
     def _stat_loggers(self) -> list[Any] | None:
@@ -344,7 +346,9 @@ class Engine:
     def grammar_tokenizer(self) -> tuple[Any, int]:
         """The tokenizer and vocabulary size the engine's grammar backend compiles against (the
         model's vocabulary can be larger than the tokenizer's)."""
-        return self._tokenizer, int(self._llm.model_config.get_vocab_size())
+        # Kept from the start: while a dead core is replaced there is no engine to ask, and a
+        # guided job's first grammar compile then failed as internal_error.
+        return self._tokenizer, self._vocab_size
 
     async def _render(self, prompt: dict[str, Any]) -> Any:
         """Render the prompt (tokens, multimodal processing) through vLLM's renderer ourselves:

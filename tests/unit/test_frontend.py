@@ -87,3 +87,17 @@ def test_core_threads_are_set_for_the_core_start_only(monkeypatch: pytest.Monkey
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     frontend.core_threads(2, cpu_only=False)()
     assert os.environ["OMP_NUM_THREADS"] == "6"
+
+
+def test_the_grammar_tokenizer_is_known_while_a_dead_core_is_replaced() -> None:
+    """`restart` shuts the dead core down first and starts the next (seconds to minutes); a
+    guided job's first grammar compile in that window asked the absent core for its vocabulary
+    size and was dead-lettered as internal_error. The size is kept from the core's start."""
+    from mmworker.config import EngineConfig
+    from mmworker.engine import Engine
+
+    engine = Engine(EngineConfig(), "m")
+    # What `_start` leaves (the tokenizer, and the vocabulary size read from the core) ...
+    engine._tokenizer, engine._vocab_size = "tokenizer", 151_936
+    engine.shutdown()  # ... and what `restart` does first
+    assert engine.grammar_tokenizer() == ("tokenizer", 151_936)
