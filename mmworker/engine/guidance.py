@@ -253,6 +253,11 @@ class GrammarChecker:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits now
                 loop.call_soon_threadsafe(settle, verdict, error)
 
+        if self._compiler is None:
+            # The tokenizer's tables, once per process (seconds for a 150k vocabulary): outside
+            # the limit, which is the schema's. Counted in it, a first compile on a loaded host
+            # could time out and the schema be refused for good.
+            await loop.run_in_executor(None, self._grammar_compiler)
         threading.Thread(target=work, name="grammar-compile", daemon=True).start()
         limit = self._cfg.compile_timeout_s
         try:

@@ -342,6 +342,21 @@ def test_a_compile_past_the_time_limit_is_refused_and_remembered(
     assert len(slow) == 1 and took < 0.9
 
 
+def test_building_the_tokenizer_tables_does_not_count_in_a_schemas_limit(
+    tokenizer: tuple[Any, int],
+) -> None:
+    """The tables are built once per process, at the first compile (seconds for a large
+    vocabulary, more on a loaded host). Inside the schema's limit, that first schema timed out
+    and was refused for good."""
+
+    def slow_source() -> tuple[Any, int]:
+        time.sleep(0.6)
+        return tokenizer
+
+    checker = GrammarChecker(StructuredOutputConfig(compile_timeout_s=0.4), slow_source)
+    assert asyncio.run(checker.check(_schema(TAGS))).how == "compiled"
+
+
 def test_schema_depth_counts_objects_and_lists() -> None:
     assert schema_depth("x") == 0 and schema_depth({}) == 1 and schema_depth({"a": [{}]}) == 3
     deep: Any = {}
