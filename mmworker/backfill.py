@@ -541,6 +541,19 @@ def load_state(out: Path) -> State:
     return state
 
 
+def check_journal_name(out: Path, state: State, name: str) -> None:
+    """An interrupted run's journal resumes under its own name only. Its posted jobs fill the
+    window, and the answers to them, named for the other backfill, are not this one's: under
+    another `--name` (or a renamed manifest) the resume posted nothing and waited for ever."""
+    other = next((job_id for job_id in state.posted if not job_id.startswith(f"{name}/")), None)
+    if other is not None:
+        raise ConfigError(
+            f"--out {out}: its journal ({journal_path(out).name}) is of another backfill than "
+            f"{name!r} (it posted job {other!r}): resume it with the --name that started it, "
+            "or remove the journal to start over"
+        )
+
+
 def _apply(state: State, entry: dict[str, Any]) -> None:
     kind = entry["t"]
     if kind == "posted":
@@ -843,6 +856,7 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     state = load_state(out)
+    check_journal_name(out, state, name)
     tally = Tally(total=count_rows(spec))
     collector = Collector(cfg, [cfg.kafka.output_topic, cfg.kafka.dead_letter_topic], name, state)
     journal = Journal(out)

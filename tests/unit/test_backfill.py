@@ -380,6 +380,22 @@ def test_resume_state_knows_what_is_posted_answered_and_due(tmp_path: Path) -> N
     assert "bf/b" not in state.posted
 
 
+def test_a_journal_resumes_under_its_own_name_only(tmp_path: Path) -> None:
+    """Its posted jobs fill the window and their answers are another backfill's: under another
+    --name the resume posted nothing and waited for ever."""
+    from mmworker.backfill import check_journal_name
+    from mmworker.errors import ConfigError
+
+    out = tmp_path / "r.jsonl"
+    journal = Journal(out)
+    journal.write([{"t": "posted", "id": "bf/a", "at": 1.0, "fp": "fa", "job": "{}"}])
+    journal.close()
+    state = load_state(out)
+    check_journal_name(out, state, "bf")
+    with pytest.raises(ConfigError, match=r"another backfill than 'other' \(it posted job 'bf/a'"):
+        check_journal_name(out, state, "other")
+
+
 def test_next_job_skips_answered_posted_duplicate_and_bad_rows(tmp_path: Path) -> None:
     cols = Columns(uri="uri", key="k", options="o")
     fields: list[dict[str, object]] = [
