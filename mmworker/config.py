@@ -56,7 +56,9 @@ def cache_home() -> Path:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # coerce_numbers_to_str: `--set kafka.input_topic=2024` reads the value as JSON (so that
+    # numbers are typed), and a text setting whose value looks like a number was refused.
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
 
 
 class KafkaConfig(_Section):
@@ -622,7 +624,11 @@ class TaskConfig(_Section):
 
 class WorkerConfig(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="MMWORKER_", env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix="MMWORKER_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+        coerce_numbers_to_str=True,
     )
 
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)

@@ -144,6 +144,14 @@ def check_sampling(args: argparse.Namespace) -> None:
             f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}" for e in exc.errors()
         )
         raise ConfigError(f"invalid sampling option: {bad}") from None
+    prompt = getattr(args, "prompt", None)
+    try:
+        Job(job_id="check", prompt=prompt, media=[MediaRef(uri="https://example.org/a.jpg")])
+    except ValidationError as exc:
+        # Not "invalid configuration: prompt='<20,000 characters>' (from the default)", which
+        # the generic handler made of it: the flag, and what is wrong with it.
+        why = "; ".join(e["msg"] for e in exc.errors())
+        raise ConfigError(f"invalid --prompt ({len(prompt or ''):,} characters): {why}") from None
 
 
 def check_task(task: str | None, cfg: WorkerConfig) -> None:

@@ -770,6 +770,10 @@ def test_every_run_flag_sets_its_setting(tmp_path: Path, clean_env: None) -> Non
          "--window 0: at least 1 job must be allowed outstanding"),
         (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.parquet", "--max-tokens", "0"],
          "invalid sampling option: --max-tokens 0"),
+        # was "invalid configuration: prompt='xxx…' (from the default)" for submit, and every
+        # row an invalid_schema failure for backfill
+        (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.parquet", "--prompt", "x" * 16385],
+         "invalid --prompt (16,385 characters): String should have at most 16384 characters"),
         (["replay", "--code", "fetch_failed,nope"], "--code nope: no such failure code"),
         (["replay", "--since", "yesterday"], "'yesterday' is not a time"),
         # were tracebacks: OverflowError, and time.sleep(nan)'s ValueError once watching

@@ -238,3 +238,13 @@ def test_an_infinite_aspect_ratio_limit_is_refused() -> None:
     """It passed, and every media item then failed: the cache key's JSON refuses inf."""
     with pytest.raises(ValidationError, match="finite"):
         load_config(preprocess={"max_aspect_ratio": float("inf")})
+
+
+def test_text_settings_given_like_numbers_are_taken_as_text() -> None:
+    """`--set` reads values as JSON, so `kafka.input_topic=2024` arrived as a number and was
+    refused with "Input should be a valid string"."""
+    args = build_parser().parse_args(
+        ["run", "--set", "kafka.input_topic=2024", "--set", "worker_id=7"]
+    )
+    cfg = load_config(**overrides_from(args))
+    assert (cfg.kafka.input_topic, cfg.worker_id) == ("2024", "7")
