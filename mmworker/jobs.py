@@ -48,7 +48,7 @@ from mmworker.lanes import BACKGROUND
 from mmworker.media import MediaStage, PreparedMedia, TokenBudget
 from mmworker.metrics import Metrics
 from mmworker.records import Context, build_failure, build_result, visual_tokens
-from mmworker.segmented import run_segments, segment_budget
+from mmworker.segmented import run_segments, segment_instruction
 from mmworker.suspects import suspect_key
 from mmworker.task_defaults import DEFAULT_TASKS
 from mmworker.tasks import Plan, plan_job
@@ -287,8 +287,7 @@ class JobRunner:
             self._metrics.output_tokens.inc(out.output_tokens)
             return out
 
-        budget = self._budgets(job, plan)[0].video
-        params = self._media.video_params(job).with_budget(segment_budget(budget))
+        params = self._media.video_params(job).with_budget(self._segment_budget(job, plan))
         return await run_segments(
             job=job, plan=plan, checked=checked, media=self._media, params=params,
             generate=generate, ctx=ctx, queue_wait_s=queue_wait_s, t0=t0,
@@ -346,6 +345,27 @@ class JobRunner:
             self._metrics.cache.labels(result).inc()
             self._metrics.stage_seconds.labels("fetch").observe(m.fetch_s)
             self._metrics.stage_seconds.labels("preprocess").observe(m.preprocess_s)
+
+    def _segment_budget(self, job: Job, plan: Plan) -> int | None:
+        """The visual tokens a segment may take: what the context leaves after the segment's
+        own prompt (the job's `segments.prompt`, or the time range and the job's instruction)
+        and `max_tokens`, up to `engine.max_visual_tokens_per_item`. Counted on the prompt with
+        the widest time range, so every segment fits; a prompt that leaves no room is refused
+        here, not sent segment by segment to an engine that fails each."""
+        cfg = self._cfg.engine
+        if cfg.max_model_len is None:
+            return cfg.max_visual_tokens_per_item
+        assert job.segments is not None
+        widest = segment_instruction(job.segments, plan, 99999.9, 99999.9)
+        text = self._engine.prompt_tokens(widest, ("video",))
+        room = cfg.max_model_len - text - job.generation.max_tokens
+        if room <= 0:
+            raise VisualBudgetExceeded(
+                f"a segment's prompt ({text} text tokens) plus max_tokens "
+                f"{job.generation.max_tokens} leaves no room for its frames; max_model_len is "
+                f"{cfg.max_model_len}"
+            )
+        return min(cfg.max_visual_tokens_per_item, room)
 
     def _budgets(self, job: Job, plan: Plan) -> list[TokenBudget]:
         """The visual tokens each item may take, fixed before anything is fetched, so a video

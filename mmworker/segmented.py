@@ -62,8 +62,6 @@ DEFAULT_SUMMARY_PROMPT = (
     "Summarise what happens in the whole video in a few sentences."
 )
 
-#: Text tokens kept free beside a segment's frames for the time range in its prompt.
-PROMPT_MARGIN_TOKENS = 48
 #: (instruction, items, generation, checked) → the engine's answer; the job runner's gate,
 #: preemption and request bookkeeping stay the runner's.
 Generate = Callable[
@@ -83,12 +81,6 @@ class _Slot:
     frames: int = 0
     size: tuple[tuple[int, int], tuple[int, int]] | None = None
     cached: bool = False
-
-
-def segment_budget(job_budget: int | None) -> int | None:
-    """A segment's visual-token budget: the job's, less room for the time range its prompt
-    adds (`segment_instruction`)."""
-    return None if job_budget is None else max(job_budget - PROMPT_MARGIN_TOKENS, 1)
 
 
 def rule_of(spec: SegmentSpec) -> SegmentRule:

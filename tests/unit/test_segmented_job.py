@@ -184,3 +184,42 @@ def test_an_engine_death_under_one_segment_stops_the_job_sending_more() -> None:
         asyncio.run(_run(_job(every_s=2.0), media, dies))
     assert calls <= SEGMENTS_IN_FLIGHT, calls  # of 30 segments
     assert media.decoded <= SEGMENTS_IN_FLIGHT + 1, media.decoded
+
+
+class _CountingEngine:
+    """Counts a prompt's text tokens as its characters / 4 (the budget's only question)."""
+
+    def prompt_tokens(self, instruction: str, kinds: tuple[str, ...]) -> int:
+        return len(instruction) // 4
+
+
+def test_a_segments_frames_get_what_its_own_prompt_leaves_of_the_context() -> None:
+    """A job's `segments.prompt` replaced the instruction the budget was counted on (a fixed
+    48-token margin for the time range): a long one overflowed the context, and each segment
+    failed in the engine. One that leaves no room is refused before any segment is sent."""
+    from mmworker.errors import VisualBudgetExceeded
+    from mmworker.jobs import JobRunner
+    from mmworker.metrics import Metrics
+    from tests.unit.loopkit import config
+
+    cfg = config().model_copy(
+        update={"engine": config().engine.model_copy(update={"max_model_len": 4096})}
+    )
+    runner = JobRunner(cfg, engine=_CountingEngine(), media=None, metrics=Metrics())  # type: ignore[arg-type]
+
+    def budget(prompt: str | None, max_tokens: int = 64) -> int | None:
+        spec = {"mode": "fixed", "every_s": 10.0, "prompt": prompt}
+        job = Job(
+            job_id="long",
+            media=[MediaRef(data=b"x")],
+            segments=spec,  # type: ignore[arg-type]
+            generation=GenerationParams(max_tokens=max_tokens),
+        )
+        job, plan = plan_job(job, {})
+        return runner._segment_budget(job, plan)
+
+    short, long = budget(None), budget("Describe this part of the video in detail. " * 60)
+    assert short is not None and long is not None
+    assert long < short - 500  # the custom prompt's ~640 tokens come off the frames
+    with pytest.raises(VisualBudgetExceeded, match="leaves no room for its frames"):
+        budget("x" * 16000, max_tokens=200)
