@@ -78,7 +78,9 @@ def test_an_engine_forks_its_first_core_and_spawns_its_replacement(
     seen: list[str] = []
 
     class StandInLLM:
-        model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["Other"]))
+        model_config = SimpleNamespace(
+            hf_config=SimpleNamespace(architectures=["Other"]), get_vocab_size=lambda: 32
+        )
 
         @classmethod
         def from_engine_args(cls, _args: Any, **_kwargs: Any) -> StandInLLM:
