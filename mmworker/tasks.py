@@ -55,12 +55,8 @@ def plan_job(job: Job, tasks: Mapping[str, TaskConfig]) -> tuple[Job, Plan]:
     # Only where a job's own `segments` would be valid (one media item): model_copy skips the
     # Job's check, and segment mode reads the first item alone, so the other items of a
     # several-item job were dropped without a word. Such a job runs as one request.
-    if (
-        task is not None
-        and task.segments is not None
-        and job.segments is None
-        and (len(job.media) == 1)
-    ):
+    one_item = len(job.media) == 1
+    if task is not None and task.segments is not None and job.segments is None and one_item:
         job = job.model_copy(update={"segments": task.segments})
     fmt = job.response_format or (task.response_format if task else None)
     generation = job.generation
