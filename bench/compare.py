@@ -325,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     combined_path = args.out_dir / f"{args.name}.json"
     stages: dict[str, dict[str, Any]] = {}
     combined: dict[str, Any] = {}
+    # A resumed stage's wall is the one its own run took, which only the earlier combined report
+    # holds (session 33's resumed GPU run otherwise reported 0 s for the four stages it reused).
+    earlier_walls = {
+        stage: rec.get("wall_s", 0.0)
+        for stage, rec in ((load(combined_path) if args.resume else None) or {})
+        .get("stages", {})
+        .items()
+    }
     for stage, _ in STAGES:
         out = args.out_dir / f"{args.name}-{stage}.json"
         peers1 = args.out_dir / f"{args.name}-peers1.json"
@@ -333,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         earlier = load(out) if args.resume else None
         if finished(earlier):
             print(f"=== compare: {stage}: reusing {out}", flush=True)
-            rec = {"argv": stage_args, "json": str(out), "rc": 0, "wall_s": 0.0}
+            wall = earlier_walls.get(stage, 0.0)
+            rec = {"argv": stage_args, "json": str(out), "rc": 0, "wall_s": wall}
             stages[stage] = {**rec, "report": earlier, "ok": True, "error": None, "reused": True}
         else:
             stages[stage] = run_stage(stage, stage_args, out)

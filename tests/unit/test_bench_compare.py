@@ -332,7 +332,8 @@ def test_main_runs_five_stages_rewrites_the_report_and_resume_skips_finished_one
         (tmp_path / f"fake-{stage}.json").write_text(json.dumps(report))
     e2e = tmp_path / "e2e.py"
     e2e.write_text(
-        "import shutil, sys\n"
+        "import shutil, sys, time\n"
+        "time.sleep(0.15)  # a wall that rounds to more than 0 s\n"
         "out = sys.argv[sys.argv.index('--out') + 1]\n"
         "stage = out.rsplit('-', 1)[1][: -len('.json')]\n"
         "if stage == 'warm':\n"
@@ -348,6 +349,8 @@ def test_main_runs_five_stages_rewrites_the_report_and_resume_skips_finished_one
     assert c["stages"]["warm"]["error"] == "bench/e2e.py exited 1"
     assert c["stages"]["cold1"]["argv"][-2:] == ["--peers-from", str(tmp_path / "t-peers1.json")]
     assert c["kinds"]["image"]["best_peer"] == {"run": "peers2", "peer": "raw", "jobs_per_s": 11.0}
+    walls = {s: r["wall_s"] for s, r in c["stages"].items()}
+    assert all(w > 0 for w in walls.values())
     # resumed: the four finished stages are reused, only warm runs again (and now succeeds)
     fakes["warm"] = worker_report("warm", {"image": 24.0, "video": 5.0}, p1)
     (tmp_path / "fake-warm.json").write_text(json.dumps(fakes["warm"]))
@@ -361,6 +364,10 @@ def test_main_runs_five_stages_rewrites_the_report_and_resume_skips_finished_one
         "cold2",
         "peers2",
     ]
+    # each reused stage keeps the wall its own run took, not 0
+    assert {s: c["stages"][s]["wall_s"] for s in ("peers1", "cold1", "cold2", "peers2")} == {
+        s: walls[s] for s in ("peers1", "cold1", "cold2", "peers2")
+    }
     assert c["kinds"]["video"]["worker_rows"][2]["ratio_vs_best"] == 2.0
 
 
