@@ -191,6 +191,9 @@ def _manifest_columns(spec: str) -> tuple[list[str] | None, str]:
     """The manifest's column names (None for a manifest without rows) and where they come
     from, for the message."""
     kind = manifest_kind(spec)
+    if kind == "glob" and not any(Path(p).is_file() for p in glob.iglob(spec, recursive=True)):
+        # a mistyped pattern was an empty backfill that ended "ok" with exit 0
+        raise ManifestError(f"manifest {spec}: the glob matches no file")
     if kind in ("dir", "glob"):
         return ["uri"], " (a directory or glob gives one)"
     if kind == "parquet":

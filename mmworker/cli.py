@@ -468,6 +468,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     check_task(args.task, cfg)
     if args.response_format is not None:
         args.response_format = read_response_format(args.response_format)
+    if args.repeat < 1:  # 0 posted nothing and exited 0, as if every job had been sent
+        raise ConfigError(f"--repeat {args.repeat}: post each source at least once")
     _check_brokers(cfg, args)
     _warn_if_nobody_consumes(cfg)
     return submit(args, cfg)
@@ -488,6 +490,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     check_task(args.task, cfg)
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: at least 1 job must be allowed outstanding")
+    if not 0 <= args.grace < math.inf:  # nan: an unanswered job was never posted again
+        raise ConfigError(f"--grace {args.grace}: seconds, 0 or more")
     manifest_kind(str(args.manifest))  # the cheap mistakes first, before the brokers
     check_columns(str(args.manifest), columns_from(args))
     output_format(args.out, args.format)
@@ -504,6 +508,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for when in (args.since, args.until):
         if when:
             parse_when(when)
+    if not 0 <= args.wait < math.inf:
+        raise ConfigError(f"--wait {args.wait}: seconds, 0 or more")
     _check_brokers(cfg, args)
     return replay(args, cfg)
 

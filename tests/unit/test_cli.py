@@ -779,6 +779,15 @@ def test_every_run_flag_sets_its_setting(tmp_path: Path, clean_env: None) -> Non
         # were tracebacks: OverflowError, and time.sleep(nan)'s ValueError once watching
         (["replay", "--since", "1000000d"], "'1000000d' reaches back before any time"),
         (["status", "-w", "nan"], "-w nan: refresh every so many seconds"),
+        # each was silent: nothing posted with exit 0, a resume that never re-posted, a
+        # mistyped glob that made an empty "ok" backfill
+        (["submit", "{tmp}/notes.txt", "--repeat", "0"], "--repeat 0: post each source at least"),
+        (["backfill", "{tmp}/m.jsonl", "--out", "{tmp}/r.parquet", "--grace", "nan"],
+         "--grace nan: seconds, 0 or more"),
+        (["backfill", "{tmp}/*.jpeg", "--out", "{tmp}/r.parquet"],
+         "manifest {tmp}/*.jpeg: the glob matches no file"),
+        (["replay", "--backfill-out", "{tmp}/r.parquet", "--wait", "-1"],
+         "--wait -1.0: seconds, 0 or more"),
     ],
 )  # fmt: skip
 def test_backfill_and_replay_mistakes_are_one_line_before_the_brokers(
