@@ -120,10 +120,14 @@ class JobRunner:
 
     def _saw_death(self, death: EngineFatal) -> None:
         """The first job to see a core's death sees everyone inside it; a death of an older,
-        already replaced core, or one seen once its replacement began, names no one."""
+        already replaced core, or one seen once its replacement began, names no one.
+
+        Each job once: a segmented job has several requests inside (a segment each), and one
+        death counted once per request condemned it unrun after a single SIGKILL of the core."""
         current = death.epoch == getattr(self._engine, "epoch", 0)
         if self.dead_with is None and current and not self._gate.down:
-            self.dead_with = list(self._in_engine.values())
+            jobs = {suspect_key(s): s for s in self._in_engine.values()}
+            self.dead_with = list(jobs.values())
 
     def _grammar_tokenizer(self) -> tuple[Any, int]:
         return self._engine.grammar_tokenizer()

@@ -16,6 +16,7 @@ from mmworker_schemas.codes import ErrorCode
 from mmworker.errors import EngineFatal
 from mmworker.exits import ExitCode
 from mmworker.jobs import JobRunner
+from mmworker.metrics import Metrics
 from mmworker.offsets import TopicPartition
 from mmworker.suspects import suspect_key
 from tests.unit.loopkit import (
@@ -25,6 +26,7 @@ from tests.unit.loopkit import (
     Consumer,
     Producer,
     Suspects,
+    config,
     failure_codes,
     make_worker,
     run_until,
@@ -373,3 +375,19 @@ def test_each_dead_lettered_job_is_one_warning_naming_its_offset_and_code(
     line = lines[0].getMessage()
     assert "partition=0" in line and "offset=1" in line and "code=invalid_json" in line, line
     assert "not JSON" in line, line  # the failure's message, not only its code
+
+
+def test_a_job_with_several_requests_inside_a_death_is_one_suspect_with_one_death() -> None:
+    """A segmented job has a request per segment inside the engine; the death is one for it."""
+
+    class Engine:
+        epoch = 0
+
+    runner = JobRunner(config(), engine=Engine(), media=None, metrics=Metrics())  # type: ignore[arg-type]
+    long_video, image = src(0, 5), src(1, 2)
+    runner._in_engine.update(
+        {"seg-0": long_video, "seg-1": long_video, "img": image, "seg-2": long_video}
+    )
+    runner._saw_death(EngineFatal("engine died: test"))
+    assert runner.dead_with == [long_video, image]
+    assert runner.dead_inside() == {suspect_key(long_video), suspect_key(image)}
