@@ -1,7 +1,11 @@
 """An engine core SIGKILLed while a long video is captioned in segments: a real `mmworker run`,
-the real broker, the real engine (tiny model). The worker replaces the core in its own process,
-records the segmented job as a suspect (it was inside), runs it again, and answers it whole; the
-image jobs posted with it are answered too, and the process never exits."""
+the real broker, the real engine (tiny model).
+
+- While the worker runs: it replaces the core in its own process, records the segmented job as
+  a suspect (it was inside), runs it again, and answers it whole; the image jobs posted with it
+  are answered too, and the process never exits.
+- While it drains after SIGTERM: it records the suspect all the same, exits without leaving a
+  process behind, and the next worker of the group answers every job."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from tests.integration.workerkit import (
     make_topics,
     post,
     process_tree,
+    still_alive,
 )
 from tests.media_scenes import scene_video
 
@@ -77,6 +82,14 @@ def _suspect_records(bootstrap: str, topic: str) -> list[tuple[str, dict[str, ob
         consumer.close()
 
 
+def _wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in worker.log_path.read_text(errors="replace"):
+        assert worker.proc is not None and worker.proc.poll() is None, worker.log()
+        assert time.monotonic() < deadline, f"{text!r} not logged\n{worker.log()}"
+        time.sleep(0.1)
+
+
 def _engine_core(worker: WorkerProcess) -> psutil.Process:
     assert worker.proc is not None
     cores = [p for p in process_tree(worker.proc.pid) if is_engine_core(p)]
@@ -98,11 +111,7 @@ def test_engine_core_killed_under_a_segmented_job_is_replaced_and_the_job_answer
     )
     try:
         worker.__enter__()
-        deadline = time.monotonic() + 300
-        while "assigned [" not in worker.log_path.read_text(errors="replace"):
-            assert worker.proc is not None and worker.proc.poll() is None, worker.log()
-            assert time.monotonic() < deadline, worker.log()
-            time.sleep(0.2)
+        _wait_for_log(worker, "assigned [", 300)
         posted = Posted()
         post(broker.bootstrap, topics["input"], jobs, posted)
         # The images are quick; the 60 segments are not: once an image is back, the segmented
@@ -132,6 +141,56 @@ def test_engine_core_killed_under_a_segmented_job_is_replaced_and_the_job_answer
         assert mine and mine[0] is not None and mine[0]["deaths"] == 1, mine
         assert mine[-1] is None, mine  # the tombstone: it finished, so it was innocent
         print(f"suspect records of the segmented job: {mine}")
+    finally:
+        worker.__exit__(None, None, None)
+        collector.close()
+
+
+@pytest.mark.timeout(900)
+def test_engine_core_killed_during_the_sigterm_drain_is_replaced_and_the_job_finished(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """The drain's grace (120 s here) outlasts a CPU core's restart (~12 s), so the job that was
+    inside is run again, alone, and answered before the worker exits 0. (A shorter grace cuts it
+    off uncommitted, with its suspect record, for the partition's next owner.)"""
+    topics = make_topics(broker.bootstrap, "draindeath")
+    suspects = f"draindeath-{uuid.uuid4().hex[:6]}.suspects"
+    group = f"draindeath-{uuid.uuid4().hex[:6]}"
+    extra = {"kafka.suspects_topic": suspects, "limits.shutdown_grace_s": 120}
+    jobs = _jobs(scene_video([150.0, 300.0, 450.0], DURATION_S))
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    worker = WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra)
+    try:
+        worker.__enter__()
+        _wait_for_log(worker, "assigned [", 300)
+        posted = Posted()
+        post(broker.bootstrap, topics["input"], jobs, posted)
+        collector.wait_for({"img-0"}, 120, worker)
+        assert "seg-killed" not in collector.by_job, "the segmented job ended before the stop"
+        core = _engine_core(worker)
+        assert worker.proc is not None
+        tree = process_tree(worker.proc.pid)
+        worker.signal(signal.SIGTERM)
+        _wait_for_log(worker, "draining", 30)
+        core.send_signal(signal.SIGKILL)
+        assert worker.wait(180) == 0, worker.log()
+        log = worker.log_path.read_text(errors="replace")
+        assert "engine died with 1 jobs inside" in log and "engine restarted in" in log, log
+        assert still_alive(tree, 10) == []
+
+        collector.wait_for({job_id for job_id, _ in jobs}, 30)
+        topic, doc = collector.one("seg-killed")
+        assert topic == topics["output"], doc
+        assert len(doc["segments"]) == SEGMENTS
+        assert all(seg["error"] is None and seg["text"] for seg in doc["segments"])
+        for job_id, _ in jobs:
+            for topic, doc in collector.by_job[job_id]:
+                assert topic == topics["output"], (job_id, doc)
+        partition, offset = posted.where["seg-killed"]
+        key = f"{topics['input']}/{partition}/{offset}"
+        mine = [value for k, value in _suspect_records(broker.bootstrap, suspects) if k == key]
+        assert mine and mine[0] is not None and mine[0]["deaths"] == 1, mine
+        assert mine[-1] is None, mine
     finally:
         worker.__exit__(None, None, None)
         collector.close()
