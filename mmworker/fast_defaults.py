@@ -166,16 +166,17 @@ def explain(cfg: WorkerConfig, hw: Hardware) -> list[tuple[str, Any, str]]:
             None if "max_in_flight" in cfg.limits.model_fields_set else max_in_flight(hw),
         ),
     ]
-    engines = 1 if engine.shared_core else cfg.processes
-    user_set = "gpu_memory_utilization" in engine.model_fields_set
-    share = engine_memory_share(hw, engine.gpu_memory_utilization, engines, user_set)
-    rows.append(
-        (
-            "engine.gpu_memory_utilization, each engine",
-            round(share.value, 3),
-            None if user_set else share,
+    if hw.gpu:  # the CPU engine sizes its KV cache otherwise; the row only misled there
+        engines = 1 if engine.shared_core else cfg.processes
+        user_set = "gpu_memory_utilization" in engine.model_fields_set
+        share = engine_memory_share(hw, engine.gpu_memory_utilization, engines, user_set)
+        rows.append(
+            (
+                "engine.gpu_memory_utilization, each engine",
+                round(share.value, 3),
+                None if user_set else share,
+            )
         )
-    )
     return [
         (name, value, f"auto: {choice.reason}" if choice is not None else "set")
         for name, value, choice in rows

@@ -156,3 +156,15 @@ def test_gpus_the_engines_leave_unused_are_named_with_the_settings_that_use_them
     assert fast_defaults.idle_gpus(node, 8) is None
     assert fast_defaults.idle_gpus(H100, 1) is None
     assert fast_defaults.idle_gpus(CPU, 1) is None
+
+
+def test_mmworker_config_explains_the_gpu_memory_share_only_on_a_gpu() -> None:
+    """On a CPU host the row read "one engine on the GPU: the whole fraction" of a setting the
+    CPU engine does not use."""
+    from mmworker.config import WorkerConfig
+
+    cfg = WorkerConfig(engine={"model": "m"})  # type: ignore[arg-type]
+    on_cpu = [name for name, _, _ in fast_defaults.explain(cfg, CPU)]
+    on_h100 = [name for name, _, _ in fast_defaults.explain(cfg, H100)]
+    assert "engine.gpu_memory_utilization, each engine" not in on_cpu
+    assert on_h100 == [*on_cpu, "engine.gpu_memory_utilization, each engine"]
