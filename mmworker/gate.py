@@ -27,44 +27,71 @@ from typing import Any
 
 
 class WaitClock:
-    """One attempt's time limit, stopped while its job waits at the gate.
+    """One attempt's time limit, stopped while its job waits at the gate with nothing inside.
 
     A backfill job waits here while any live job is being worked on, and a suspect until the
     engine is empty: under sustained live traffic, as long as the traffic lasts. Counted in the
     attempt's limits (`limits.job_timeout_s`, `job_deadline_s`), such a job was dead-lettered as
-    job_timeout without having run. `JobRunner` sets one per attempt in `WAIT_CLOCK`."""
+    job_timeout without having run. `JobRunner` sets one per attempt in `WAIT_CLOCK`.
+
+    A segmented job's requests (a segment each) wait and run side by side: the clock stops only
+    while some wait and none is inside the engine. Stopped whenever one waited, the job had no
+    limit at all where its segments go in one at a time (a suspect running alone, a degraded
+    cap, backfill beside live traffic); restarted by the first one through, the limit fired
+    while the others still waited."""
 
     def __init__(self, limit: asyncio.Timeout) -> None:
         self._limit = limit
-        #: Seconds this attempt spent waiting here (its job deadline moves by as much).
+        #: Seconds this attempt's clock was stopped (its job deadline moves by as much).
         self.waited_s = 0.0
-        #: Requests of this attempt waiting now: a segmented job's segments wait side by side,
-        #: and the clock runs again only once the last of them is through. (With one stop per
-        #: waiter, the first to leave restarted the clock under the others: job_timeout while
-        #: waiting.)
-        self._waiting = 0
+        self._waiting = 0  # requests of this attempt waiting at the gate now
+        self._inside = 0  # and inside the engine
+        self._stopped_at: float | None = None
         self._when = 0.0
-        self._since = 0.0
+        self._closed = False
+
+    def close(self) -> None:
+        """The attempt is over: requests still leaving the gate (cancelled segments) must not
+        reschedule its finished timeout (asyncio refuses that with a RuntimeError)."""
+        self._closed = True
 
     @contextlib.contextmanager
     def stopped(self) -> Iterator[None]:
-        loop = asyncio.get_running_loop()
-        if self._waiting == 0:
-            when = self._limit.when()
-            if when is None or self._limit.expired():
-                yield
-                return
-            self._when, self._since = when, loop.time()
-            self._limit.reschedule(None)
+        """Around a request's wait at the gate."""
         self._waiting += 1
+        self._settle()
         try:
             yield
         finally:
             self._waiting -= 1
-            if self._waiting == 0:
-                waited = loop.time() - self._since
-                self.waited_s += waited
-                self._limit.reschedule(self._when + waited)
+            self._settle()
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Around a request's time inside the engine."""
+        self._inside += 1
+        self._settle()
+        try:
+            yield
+        finally:
+            self._inside -= 1
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._closed:
+            return
+        now = asyncio.get_running_loop().time()
+        stop = self._waiting > 0 and self._inside == 0
+        if stop and self._stopped_at is None:
+            when = self._limit.when()
+            if when is None or self._limit.expired():
+                return
+            self._when, self._stopped_at = when, now
+            self._limit.reschedule(None)
+        elif not stop and self._stopped_at is not None:
+            waited, self._stopped_at = now - self._stopped_at, None
+            self.waited_s += waited
+            self._limit.reschedule(self._when + waited)
 
 
 #: The clock of the attempt running in this task, None outside one (a test calling the gate).
@@ -75,6 +102,13 @@ WAIT_CLOCK: ContextVar[WaitClock | None] = ContextVar("wait_clock", default=None
 def _waiting() -> Iterator[None]:
     clock = WAIT_CLOCK.get()
     with clock.stopped() if clock is not None else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def _inside() -> Iterator[None]:
+    clock = WAIT_CLOCK.get()
+    with clock.inside() if clock is not None else contextlib.nullcontext():
         yield
 
 
@@ -163,7 +197,8 @@ class EngineGate:
             self._inside += 1
             self._background_inside += background
         try:
-            yield
+            with _inside():
+                yield
         finally:
             async with self._cond:
                 self._inside -= 1
@@ -200,7 +235,8 @@ class EngineGate:
                 async with self._cond:
                     self._cond.notify_all()
         try:
-            yield
+            with _inside():
+                yield
         finally:
             async with self._cond:
                 self._alone = False

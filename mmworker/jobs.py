@@ -184,6 +184,7 @@ class JobRunner:
                     try:
                         result = await self._attempt(job, ctx, broker_ts_ms, isolated)
                     finally:
+                        clock.close()
                         WAIT_CLOCK.reset(token)
                 return Outcome(job.reply_topic or self._cfg.kafka.output_topic, job.job_id, result)
             except (EngineFatal, PreprocessPoolDead):

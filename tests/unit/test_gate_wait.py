@@ -141,3 +141,57 @@ def test_requests_of_one_attempt_waiting_side_by_side_stop_its_clock_until_the_l
             return clock.waited_s
 
     assert 0.55 < asyncio.run(scenario()) < 1.0
+
+
+def test_requests_let_in_one_at_a_time_keep_their_attempts_clock_running() -> None:
+    """A segmented job under a cap of one (or running alone as a suspect): one segment inside,
+    the others waiting. The clock stopped whenever one waited, so eight 0.25 s segments ran
+    2 s under a 1 s limit; it now runs while one of them is inside."""
+    from mmworker.gate import WAIT_CLOCK, EngineGate, WaitClock
+
+    async def scenario() -> tuple[bool, float]:
+        gate = EngineGate()
+        await gate.set_cap(1)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            async with asyncio.timeout(1.0) as limit:
+                WAIT_CLOCK.set(WaitClock(limit))
+
+                async def segment() -> None:
+                    async with gate.shared():
+                        await asyncio.sleep(0.25)
+
+                await asyncio.gather(*(segment() for _ in range(8)))
+        except TimeoutError:
+            return True, loop.time() - t0
+        return False, loop.time() - t0
+
+    timed_out, took = asyncio.run(scenario())
+    assert timed_out and 0.9 < took < 1.5, took
+
+
+def test_a_request_leaving_the_gate_after_its_attempt_ended_changes_nothing() -> None:
+    """A cancelled segment leaves the gate after its job's attempt is over; rescheduling the
+    finished timeout raised RuntimeError in that task ("Task exception was never retrieved")."""
+    from mmworker.gate import WAIT_CLOCK, EngineGate, WaitClock
+
+    async def scenario() -> BaseException | None:
+        gate = EngineGate()
+        await gate.set_down(True)  # an engine being replaced: requests wait at the gate
+        async with asyncio.timeout(5.0) as limit:
+            clock = WaitClock(limit)
+            WAIT_CLOCK.set(clock)
+
+            async def segment() -> None:
+                async with gate.shared():
+                    pass
+
+            task = asyncio.create_task(segment())
+            await asyncio.sleep(0.05)
+            clock.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return task.exception() if not task.cancelled() else None
+
+    assert asyncio.run(scenario()) is None
