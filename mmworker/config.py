@@ -509,9 +509,10 @@ class LimitsConfig(_Section):
     engine_recover_after_s: float = Field(
         60.0,
         gt=0,
-        description="After deaths with different jobs inside (load, not one job), the jobs "
-        "inside the engine are capped at a quarter of those inside at the death; each this many "
-        "seconds without a death doubles the cap, until it no longer binds",
+        description="After deaths with different jobs inside (load, not one job), the requests "
+        "inside the engine (a segment counts as one) are capped at a quarter of those inside at "
+        "the death; each this many seconds without a death doubles the cap, until it no longer "
+        "binds",
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="Time to finish in-flight on SIGTERM")
     backfill_share: float = Field(

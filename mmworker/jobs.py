@@ -84,6 +84,8 @@ class JobRunner:
         #: The jobs that were inside the engine when it died (set once per death, by the first
         #: job to see it; the worker's suspect record forgets it).
         self.dead_with: list[SourceCoords] | None = None
+        #: How many requests those jobs had inside (a segmented job has one per segment).
+        self._dead_requests = 0
 
     async def check_tasks(self) -> None:
         """Compile the response_format of every task the config adds or changes, once the engine
@@ -108,6 +110,9 @@ class JobRunner:
     def dead_inside(self) -> frozenset[str]:
         return frozenset(suspect_key(s) for s in self.dead_with or ())
 
+    def dead_requests(self) -> int:
+        return self._dead_requests if self.dead_with is not None else 0
+
     async def set_engine_cap(self, cap: int | None) -> None:
         await self._gate.set_cap(cap)
 
@@ -128,6 +133,7 @@ class JobRunner:
         if self.dead_with is None and current and not self._gate.down:
             jobs = {suspect_key(s): s for s in self._in_engine.values()}
             self.dead_with = list(jobs.values())
+            self._dead_requests = len(self._in_engine)
 
     def _grammar_tokenizer(self) -> tuple[Any, int]:
         return self._engine.grammar_tokenizer()

@@ -63,11 +63,15 @@ class Verdict:
 
 
 def after_death(
-    state: Degrade, now: float, inside: frozenset[str], limits: LimitsConfig
+    state: Degrade, now: float, inside: frozenset[str], limits: LimitsConfig, requests: int = 0
 ) -> Verdict:
     """What a death changes. Repeats of the same job are the suspects' business (they run alone
     and are condemned at `limits.max_engine_deaths`); a death with other jobs inside than the
-    last one's, within the window, is load: a quarter of what was inside."""
+    last one's, within the window, is load: a quarter of what was inside.
+
+    `requests`: engine requests inside at the death, what the cap counts (the gate admits
+    requests). A segmented job has several (a segment each); quartering the number of jobs
+    instead set a cap of a sixteenth of the load that died."""
     window = limits.engine_restart_window_s
     deaths = (*(t for t in state.deaths if now - t <= window), now)
     if len(deaths) > limits.engine_restarts:
@@ -79,7 +83,7 @@ def after_death(
     cap = state.cap
     why = "first death in the window" if len(deaths) == 1 else "the same jobs inside again"
     if len(deaths) > 1 and not (inside & state.last_inside):
-        seen = len(inside) if inside else (cap or 4)
+        seen = requests or len(inside) or (cap or 4)
         cap = max(1, min(cap or seen, seen) // 4)
         why = f"another death with other jobs inside ({len(inside)}): at most {cap} inside"
     return Verdict(Degrade(deaths, inside, cap, now), False, why)
@@ -108,6 +112,7 @@ class Inside(Protocol):
     """What recovery needs of the job runner (`mmworker.jobs.JobRunner`)."""
 
     def inside(self) -> int: ...
+    def dead_requests(self) -> int: ...
     def dead_inside(self) -> frozenset[str]: ...
     async def set_engine_cap(self, cap: int | None) -> None: ...
     async def engine_down(self) -> None: ...
@@ -184,7 +189,9 @@ class EngineRecovery:
         while self._runner.inside() and self._clock() < deadline:
             await asyncio.sleep(0.05)  # the dead core fails every request inside it at once
         inside = self._runner.dead_inside()
-        verdict = after_death(self.state, self._clock(), inside, self._limits)
+        verdict = after_death(
+            self.state, self._clock(), inside, self._limits, self._runner.dead_requests()
+        )
         self.state = verdict.state
         await record_suspects()
         if verdict.give_up:

@@ -54,6 +54,14 @@ def test_a_second_death_with_other_jobs_inside_quarters_what_was_inside() -> Non
     assert third.state.cap == 1  # the cap of 3, not the 5 inside, is quartered: at least 1
 
 
+def test_the_cap_quarters_the_requests_inside_not_the_jobs() -> None:
+    """Two segmented jobs with four segments each inside: eight requests, which is what the
+    gate's cap counts; quartering the two jobs gave a cap of 1."""
+    first = after_death(Degrade(), 0.0, jobs("a"), LIMITS, requests=1).state
+    second = after_death(first, 5.0, jobs("seg-1", "seg-2"), LIMITS, requests=8)
+    assert second.state.cap == 2
+
+
 def test_the_same_job_inside_again_is_the_suspects_business_not_load() -> None:
     first = after_death(Degrade(), 0.0, jobs("killer", "a", "b"), LIMITS).state
     second = after_death(first, 5.0, jobs("killer"), LIMITS)
@@ -112,6 +120,9 @@ class Runner:
 
     def dead_inside(self) -> frozenset[str]:
         return self._inside
+
+    def dead_requests(self) -> int:
+        return len(self._inside)
 
     async def set_engine_cap(self, cap: int | None) -> None:
         self.cap = cap

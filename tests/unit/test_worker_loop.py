@@ -391,3 +391,4 @@ def test_a_job_with_several_requests_inside_a_death_is_one_suspect_with_one_deat
     runner._saw_death(EngineFatal("engine died: test"))
     assert runner.dead_with == [long_video, image]
     assert runner.dead_inside() == {suspect_key(long_video), suspect_key(image)}
+    assert runner.dead_requests() == 4  # what the engine cap after a load death counts
