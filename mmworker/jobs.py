@@ -302,6 +302,8 @@ class JobRunner:
         return await run_segments(
             job=job, plan=plan, checked=checked, media=self._media, params=params,
             generate=generate, ctx=ctx, queue_wait_s=queue_wait_s, t0=t0,
+            count_tokens=lambda text: self._engine.prompt_tokens(text, ()),
+            max_model_len=self._cfg.engine.max_model_len,
         )  # fmt: skip
 
     async def _generate(

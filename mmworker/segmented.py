@@ -114,7 +114,11 @@ async def run_segments(
     ctx: Context,
     queue_wait_s: float,
     t0: float,
+    count_tokens: Callable[[str], int] | None = None,
+    max_model_len: int | None = None,
 ) -> Result:
+    """`count_tokens` (a text-only prompt's tokens) and `max_model_len`: the summary's prompt
+    is fitted to the context (`fit_summary`); without them it is sent as it is."""
     spec = job.segments
     assert spec is not None
     data, sha, fetch_s = await media.fetch(job.media[0])
@@ -175,7 +179,8 @@ async def run_segments(
     if not done:
         first = next(s.error for s in slots if s.error is not None)
         raise first
-    summary, summary_out = await _summarise(job, spec, slots, generate)
+    fit = None if count_tokens is None or max_model_len is None else (count_tokens, max_model_len)
+    summary, summary_out = await _summarise(job, spec, slots, generate, fit)
     return _result(job, ctx, slots, sha, summary, summary_out, cut, fetch_s, decode_s,
                    queue_wait_s, time.perf_counter() - t0)  # fmt: skip
 
@@ -252,18 +257,30 @@ async def _generate_retrying(
 
 
 async def _summarise(
-    job: Job, spec: SegmentSpec, slots: list[_Slot], generate: Generate
-) -> tuple[str | None, EngineOutput | None]:
+    job: Job, spec: SegmentSpec, slots: list[_Slot], generate: Generate,
+    fit: tuple[Callable[[str], int], int] | None,
+) -> tuple[str | None, EngineOutput | None]:  # fmt: skip
     """The summary over the captions, text only; a failed summary leaves the captions standing
     (the result then has `summary` null)."""
     if spec.summary is None:
         return None, None
     lines = [
-        f"[{s.start_s:.1f}s-{s.end_s:.1f}s] {s.result.text.strip()}"
+        (f"[{s.start_s:.1f}s-{s.end_s:.1f}s]", s.result.text.strip())
         for s in slots
         if s.result is not None and s.result.error is None
     ]
-    instruction = (spec.summary.prompt or DEFAULT_SUMMARY_PROMPT) + "\n\n" + "\n".join(lines)
+    head = spec.summary.prompt or DEFAULT_SUMMARY_PROMPT
+    instruction = (
+        summary_prompt(head, lines, 1.0)
+        if fit is None
+        else fit_summary(head, lines, fit[0], fit[1] - spec.summary.max_tokens)
+    )
+    if instruction is None:
+        log.warning(
+            "job %s: no summary: the captions of its %d segments do not fit the context "
+            "(max_model_len %d) even shortened", job.job_id, len(lines), fit[1] if fit else 0,
+        )  # fmt: skip
+        return None, None
     generation = job.generation.model_copy(
         update={"max_tokens": spec.summary.max_tokens, "stop": [], "ignore_eos": False}
     )
@@ -275,6 +292,37 @@ async def _summarise(
         log.warning("job %s: summary failed: %s", job.job_id, exc.message)
         return None, None
     return out.text, out
+
+
+def summary_prompt(head: str, lines: list[tuple[str, str]], keep: float) -> str:
+    """The summary's instruction with each caption cut to `keep` of its characters."""
+    body = []
+    for stamp, caption in lines:
+        cut = len(caption) if keep >= 1.0 else max(8, int(len(caption) * keep))
+        shown = caption if cut >= len(caption) else caption[:cut].rstrip() + "…"
+        body.append(f"{stamp} {shown}")
+    return head + "\n\n" + "\n".join(body)
+
+
+def fit_summary(
+    head: str, lines: list[tuple[str, str]], count: Callable[[str], int], room: int
+) -> str | None:
+    """The summary prompt within `room` tokens: every caption shortened alike, so the summary
+    still covers the whole video; None if even that does not fit (the time stamps alone are
+    too many). Sent whole, a long video's captions overflowed the context and its summary was
+    null with the reason only in the log."""
+    keep = 1.0
+    for _ in range(4):
+        text = summary_prompt(head, lines, keep)
+        tokens = count(text)
+        if tokens <= room:
+            if keep < 1.0:
+                log.info("summary over captions cut to %.0f%% to fit the context", keep * 100)
+            return text
+        keep *= max(0.0, room / tokens) * 0.9
+        if keep <= 0.0:
+            break
+    return None
 
 
 def _result(

@@ -223,3 +223,42 @@ def test_a_segments_frames_get_what_its_own_prompt_leaves_of_the_context() -> No
     assert long < short - 500  # the custom prompt's ~640 tokens come off the frames
     with pytest.raises(VisualBudgetExceeded, match="leaves no room for its frames"):
         budget("x" * 16000, max_tokens=200)
+
+
+def _words(text: str) -> int:
+    """A stand-in tokenizer: a token per word."""
+    return len(text.split())
+
+
+def test_a_summary_too_long_for_the_context_is_sent_over_shortened_captions() -> None:
+    """Sent whole, the captions of a long video overflowed the context and the summary was null
+    (the reason only in a log line). Each caption is now cut alike until the prompt fits."""
+    sent: list[str] = []
+    caption = " ".join(["word"] * 40)
+
+    async def wordy(
+        instruction: str, items: list[EngineItem], generation: GenerationParams,
+        checked: Checked | None,
+    ) -> EngineOutput:  # fmt: skip
+        if items:
+            return _answer(caption)
+        sent.append(instruction)
+        return _answer("the summary")
+
+    async def run(max_model_len: int) -> object:
+        job, plan = plan_job(_job(summary={"max_tokens": 16}), {})
+        return await run_segments(
+            job=job, plan=plan, checked=None, media=_Media(), params=PARAMS,  # type: ignore[arg-type]
+            generate=wordy, ctx=CTX, queue_wait_s=0.0, t0=0.0, count_tokens=_words,
+            max_model_len=max_model_len,
+        )  # fmt: skip
+
+    roomy = asyncio.run(run(10_000))
+    assert roomy.summary == "the summary" and _words(sent[-1]) > 6 * 40  # type: ignore[attr-defined]
+    tight = asyncio.run(run(200))  # six captions of 40 words in 184 tokens
+    assert tight.summary == "the summary"  # type: ignore[attr-defined]
+    assert _words(sent[-1]) <= 200 - 16 and sent[-1].count("\n[") == 6, sent[-1]
+    assert "…" in sent[-1]
+    hopeless = asyncio.run(run(30))  # not even the time stamps fit
+    assert hopeless.summary is None and len(sent) == 2  # type: ignore[attr-defined]
+    assert len(hopeless.segments) == 6  # type: ignore[attr-defined]
