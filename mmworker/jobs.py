@@ -303,7 +303,7 @@ class JobRunner:
             job=job, plan=plan, checked=checked, media=self._media, params=params,
             generate=generate, ctx=ctx, queue_wait_s=queue_wait_s, t0=t0,
             count_tokens=lambda text: self._engine.prompt_tokens(text, ()),
-            max_model_len=self._cfg.engine.max_model_len,
+            max_model_len=self._cfg.engine.max_model_len, observe=self._observe_segment,
         )  # fmt: skip
 
     async def _generate(
@@ -351,6 +351,10 @@ class JobRunner:
             raise
         self._metrics.response_formats.labels(checked.how).inc()
         return checked
+
+    def _observe_segment(self, cached: bool, seconds: float) -> None:
+        self._metrics.cache.labels("hit" if cached else "miss").inc()
+        self._metrics.stage_seconds.labels("preprocess").observe(seconds)
 
     def _observe_media(self, media: list[PreparedMedia]) -> None:
         for m in media:

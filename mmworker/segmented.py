@@ -116,9 +116,12 @@ async def run_segments(
     t0: float,
     count_tokens: Callable[[str], int] | None = None,
     max_model_len: int | None = None,
+    observe: Callable[[bool, float], None] | None = None,
 ) -> Result:
     """`count_tokens` (a text-only prompt's tokens) and `max_model_len`: the summary's prompt
-    is fitted to the context (`fit_summary`); without them it is sent as it is."""
+    is fitted to the context (`fit_summary`); without them it is sent as it is. `observe`:
+    called with (from the feature cache, seconds) for each segment decoded or found, for the
+    worker's cache and preprocess metrics, which otherwise saw no segment at all."""
     spec = job.segments
     assert spec is not None
     data, sha, fetch_s = await media.fetch(job.media[0])
@@ -161,6 +164,8 @@ async def run_segments(
                 break
             finally:
                 decode_s += time.perf_counter() - t1
+            if observe is not None:
+                observe(cached, time.perf_counter() - t1)
             slot = _Slot(seg.start_s, seg.end_s, cached=cached)
             slots.append(slot)
             tasks.append(

@@ -262,3 +262,29 @@ def test_a_summary_too_long_for_the_context_is_sent_over_shortened_captions() ->
     hopeless = asyncio.run(run(30))  # not even the time stamps fit
     assert hopeless.summary is None and len(sent) == 2  # type: ignore[attr-defined]
     assert len(hopeless.segments) == 6  # type: ignore[attr-defined]
+
+
+def test_each_segment_reaches_the_cache_and_preprocess_metrics() -> None:
+    """The worker's feature-cache hit rate and preprocess times saw no segment at all."""
+    from mmworker.jobs import JobRunner
+    from mmworker.metrics import Metrics
+    from tests.unit.loopkit import config
+
+    seen: list[tuple[bool, float]] = []
+
+    async def run() -> object:
+        job, plan = plan_job(_job(), {})
+        return await run_segments(
+            job=job, plan=plan, checked=None, media=_Media(), params=PARAMS,  # type: ignore[arg-type]
+            generate=_echo, ctx=CTX, queue_wait_s=0.0, t0=0.0,
+            observe=lambda cached, s: seen.append((cached, s)),
+        )  # fmt: skip
+
+    asyncio.run(run())
+    assert [cached for cached, _ in seen] == [False] * 6 and all(s > 0 for _, s in seen)
+    metrics = Metrics()
+    runner = JobRunner(config(), engine=None, media=None, metrics=metrics)  # type: ignore[arg-type]
+    runner._observe_segment(True, 0.01)
+    runner._observe_segment(False, 0.2)
+    assert metrics.cache.labels("hit")._value.get() == 1
+    assert metrics.cache.labels("miss")._value.get() == 1
