@@ -316,7 +316,10 @@ class JobRunner:
         )
         # A suspect waits for the engine to empty and holds it alone (only for its generation:
         # its fetch, decode and retry pauses do not keep the engine idle); others share it.
-        async with self._gate.alone() if isolated else self._gate.shared(background):
+        gate = (
+            self._gate.alone(suspect_key(ctx.source)) if isolated else self._gate.shared(background)
+        )
+        async with gate:
             self._in_engine[request_id] = ctx.source
             call = asyncio.ensure_future(self._engine.generate(
                 request_id, instruction, items, job.generation,

@@ -149,3 +149,37 @@ def test_a_live_job_after_a_quiet_spell_preempts_the_backfill_beyond_keep() -> N
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_suspects_own_requests_share_its_turn_and_no_one_else_enters() -> None:
+    """A segmented suspect's segments: all inside together, alone; another suspect and an
+    ordinary job wait until the last of them is out."""
+
+    async def scenario() -> list[str]:
+        gate = EngineGate()
+        events: list[str] = []
+        hold = asyncio.Event()
+
+        async def request(name: str, owner: str | None) -> None:
+            async with gate.alone(owner) if owner is not None else gate.shared():
+                events.append(f"+{name}")
+                await hold.wait()
+                events.append(f"-{name}")
+
+        tasks = [asyncio.create_task(request(f"seg{i}", "in/0/7")) for i in range(3)]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(request("other-suspect", "in/1/2")))
+        tasks.append(asyncio.create_task(request("ordinary", None)))
+        await asyncio.sleep(0.01)
+        assert events == ["+seg0", "+seg1", "+seg2"], events
+        tasks.append(asyncio.create_task(request("seg3", "in/0/7")))  # the suspect's, later
+        await asyncio.sleep(0.01)
+        assert events[-1] == "+seg3", events
+        hold.set()
+        await asyncio.gather(*tasks)
+        return events
+
+    events = asyncio.run(scenario())
+    last_seg = max(events.index(f"-seg{i}") for i in range(4))
+    assert events.index("+other-suspect") > last_seg
+    assert events.index("+ordinary") > last_seg
