@@ -125,9 +125,9 @@ class EngineGate:
         self._cond = asyncio.Condition()
         self._inside = 0  # ordinary jobs in the engine
         self._background_inside = 0
-        self._alone = False  # a suspect holds the engine
-        #: Which suspect (its input coordinates), and how many of its requests are inside: a
-        #: segmented suspect's segments share its turn instead of taking one turn each.
+        #: The suspect holding the engine (its input coordinates) and how many of its requests
+        #: are inside (> 0: it holds it): a segmented suspect's segments share its turn
+        #: instead of taking one turn each.
         self._alone_owner: str | None = None
         self._alone_inside = 0
         self._waiting_alone = 0
@@ -141,7 +141,7 @@ class EngineGate:
 
     @property
     def isolating(self) -> bool:
-        return self._alone or self._waiting_alone > 0
+        return self._alone_inside > 0 or self._waiting_alone > 0
 
     def _recent_left(self) -> float:
         """Seconds until live traffic stops counting as recent (≤ 0: it does not)."""
@@ -233,7 +233,7 @@ class EngineGate:
             async with self._cond:
                 with _waiting():
                     await self._cond.wait_for(lambda: self._may_hold(owner))
-                self._alone = got = True
+                got = True
                 self._alone_owner = owner
                 self._alone_inside += 1
         finally:
@@ -248,12 +248,12 @@ class EngineGate:
             async with self._cond:
                 self._alone_inside -= 1
                 if self._alone_inside == 0:
-                    self._alone, self._alone_owner = False, None
+                    self._alone_owner = None
                 self._cond.notify_all()
 
     def _may_hold(self, owner: str) -> bool:
         if self.down:
             return False
-        if self._alone:
+        if self._alone_inside:
             return bool(owner) and owner == self._alone_owner
         return self._inside == 0

@@ -97,50 +97,69 @@ def _engine_core(worker: WorkerProcess) -> psutil.Process:
     return cores[0]
 
 
+def _start_with_the_segmented_job_inside(
+    broker: EmbeddedBroker, tmp_path: Path, name: str, extra: dict[str, object]
+) -> tuple[WorkerProcess, Collector, dict[str, str], str, list[tuple[str, bytes]], Posted]:
+    """A worker with its own suspects topic, the jobs posted, and the segmented job still
+    running once the first image is back (the images are quick; the 60 segments are not). That
+    it was inside the engine is checked afterwards through the suspects topic, not assumed."""
+    topics = make_topics(broker.bootstrap, name)
+    suspects = f"{name}-{uuid.uuid4().hex[:6]}.suspects"
+    group = f"{name}-{uuid.uuid4().hex[:6]}"
+    jobs = _jobs(scene_video([150.0, 300.0, 450.0], DURATION_S))
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    worker = WorkerProcess(
+        broker.bootstrap, tmp_path, topics, group, {"kafka.suspects_topic": suspects, **extra}
+    )
+    posted = Posted()
+    try:
+        worker.__enter__()
+        _wait_for_log(worker, "assigned [", 300)
+        post(broker.bootstrap, topics["input"], jobs, posted)
+        collector.wait_for({"img-0"}, 120, worker)
+        assert "seg-killed" not in collector.by_job, "the segmented job ended before the kill"
+    except BaseException:
+        worker.__exit__(None, None, None)
+        collector.close()
+        raise
+    return worker, collector, topics, suspects, jobs, posted
+
+
+def _assert_answered_whole_and_suspected_once(
+    bootstrap: str, collector: Collector, topics: dict[str, str], suspects: str,
+    jobs: list[tuple[str, bytes]], posted: Posted,
+) -> None:  # fmt: skip
+    topic, doc = collector.one("seg-killed")
+    assert topic == topics["output"], doc
+    assert len(doc["segments"]) == SEGMENTS, doc
+    for seg in doc["segments"]:
+        assert seg["error"] is None and seg["text"], seg
+    for job_id, _ in jobs:
+        for topic, doc in collector.by_job[job_id]:
+            assert topic == topics["output"], (job_id, doc)
+    # It was inside at the death (recorded: one death), and cleared once it finished.
+    partition, offset = posted.where["seg-killed"]
+    key = f"{topics['input']}/{partition}/{offset}"
+    mine = [value for k, value in _suspect_records(bootstrap, suspects) if k == key]
+    assert mine and mine[0] is not None and mine[0]["deaths"] == 1, mine
+    assert mine[-1] is None, mine  # the tombstone: it finished, so it was innocent
+
+
 @pytest.mark.timeout(900)
 def test_engine_core_killed_under_a_segmented_job_is_replaced_and_the_job_answered_whole(
     broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
-    topics = make_topics(broker.bootstrap, "segdeath")
-    suspects = f"segdeath-{uuid.uuid4().hex[:6]}.suspects"
-    group = f"segdeath-{uuid.uuid4().hex[:6]}"
-    jobs = _jobs(scene_video([150.0, 300.0, 450.0], DURATION_S))
-    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
-    worker = WorkerProcess(
-        broker.bootstrap, tmp_path, topics, group, {"kafka.suspects_topic": suspects}
+    worker, collector, topics, suspects, jobs, posted = _start_with_the_segmented_job_inside(
+        broker, tmp_path, "segdeath", {}
     )
     try:
-        worker.__enter__()
-        _wait_for_log(worker, "assigned [", 300)
-        posted = Posted()
-        post(broker.bootstrap, topics["input"], jobs, posted)
-        # The images are quick; the 60 segments are not: once an image is back, the segmented
-        # job is inside the engine (checked below through the suspects topic, not assumed).
-        collector.wait_for({"img-0"}, 120, worker)
-        assert "seg-killed" not in collector.by_job, "the segmented job ended before the kill"
         _engine_core(worker).send_signal(signal.SIGKILL)
-
         collector.wait_for({job_id for job_id, _ in jobs}, 600, worker)
         assert worker.proc is not None and worker.proc.poll() is None, worker.log()
-        log = worker.log_path.read_text(errors="replace")
-        assert "engine restarted in" in log, worker.log()
-
-        topic, doc = collector.one("seg-killed")
-        assert topic == topics["output"], doc
-        assert len(doc["segments"]) == SEGMENTS, doc
-        for seg in doc["segments"]:
-            assert seg["error"] is None and seg["text"], seg
-        for i in range(IMAGES):
-            for topic, doc in collector.by_job[f"img-{i}"]:
-                assert topic == topics["output"], doc
-
-        # It was inside at the death (recorded: one death), and cleared once it finished.
-        partition, offset = posted.where["seg-killed"]
-        key = f"{topics['input']}/{partition}/{offset}"
-        mine = [value for k, value in _suspect_records(broker.bootstrap, suspects) if k == key]
-        assert mine and mine[0] is not None and mine[0]["deaths"] == 1, mine
-        assert mine[-1] is None, mine  # the tombstone: it finished, so it was innocent
-        print(f"suspect records of the segmented job: {mine}")
+        assert "engine restarted in" in worker.log_path.read_text(errors="replace"), worker.log()
+        _assert_answered_whole_and_suspected_once(
+            broker.bootstrap, collector, topics, suspects, jobs, posted
+        )
     finally:
         worker.__exit__(None, None, None)
         collector.close()
@@ -153,20 +172,10 @@ def test_engine_core_killed_during_the_sigterm_drain_is_replaced_and_the_job_fin
     """The drain's grace (120 s here) outlasts a CPU core's restart (~12 s), so the job that was
     inside is run again, alone, and answered before the worker exits 0. (A shorter grace cuts it
     off uncommitted, with its suspect record, for the partition's next owner.)"""
-    topics = make_topics(broker.bootstrap, "draindeath")
-    suspects = f"draindeath-{uuid.uuid4().hex[:6]}.suspects"
-    group = f"draindeath-{uuid.uuid4().hex[:6]}"
-    extra = {"kafka.suspects_topic": suspects, "limits.shutdown_grace_s": 120}
-    jobs = _jobs(scene_video([150.0, 300.0, 450.0], DURATION_S))
-    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
-    worker = WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra)
+    worker, collector, topics, suspects, jobs, posted = _start_with_the_segmented_job_inside(
+        broker, tmp_path, "draindeath", {"limits.shutdown_grace_s": 120}
+    )
     try:
-        worker.__enter__()
-        _wait_for_log(worker, "assigned [", 300)
-        posted = Posted()
-        post(broker.bootstrap, topics["input"], jobs, posted)
-        collector.wait_for({"img-0"}, 120, worker)
-        assert "seg-killed" not in collector.by_job, "the segmented job ended before the stop"
         core = _engine_core(worker)
         assert worker.proc is not None
         tree = process_tree(worker.proc.pid)
@@ -177,20 +186,10 @@ def test_engine_core_killed_during_the_sigterm_drain_is_replaced_and_the_job_fin
         log = worker.log_path.read_text(errors="replace")
         assert "engine died with 1 jobs inside" in log and "engine restarted in" in log, log
         assert still_alive(tree, 10) == []
-
         collector.wait_for({job_id for job_id, _ in jobs}, 30)
-        topic, doc = collector.one("seg-killed")
-        assert topic == topics["output"], doc
-        assert len(doc["segments"]) == SEGMENTS
-        assert all(seg["error"] is None and seg["text"] for seg in doc["segments"])
-        for job_id, _ in jobs:
-            for topic, doc in collector.by_job[job_id]:
-                assert topic == topics["output"], (job_id, doc)
-        partition, offset = posted.where["seg-killed"]
-        key = f"{topics['input']}/{partition}/{offset}"
-        mine = [value for k, value in _suspect_records(broker.bootstrap, suspects) if k == key]
-        assert mine and mine[0] is not None and mine[0]["deaths"] == 1, mine
-        assert mine[-1] is None, mine
+        _assert_answered_whole_and_suspected_once(
+            broker.bootstrap, collector, topics, suspects, jobs, posted
+        )
     finally:
         worker.__exit__(None, None, None)
         collector.close()
