@@ -43,7 +43,7 @@ from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError, WorkerError
-from mmworker.exits import ExitCode, Interrupted
+from mmworker.exits import ExitCode, check_interrupted, signal_behind
 
 #: Manifest suffixes and the reader each selects.
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -831,8 +831,14 @@ def backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
     resume: the journal has everything up to the signal)."""
     try:
         return _backfill(args, cfg)
-    except Interrupted as exc:
-        print(f"mmworker backfill: {exc}: stopped; run the same command to resume", file=sys.stderr)
+    except BaseException as exc:
+        interrupted = signal_behind(exc)
+        if interrupted is None:
+            raise
+        print(
+            f"mmworker backfill: {interrupted}: stopped; run the same command to resume",
+            file=sys.stderr,
+        )
         return ExitCode.INTERRUPTED
 
 
@@ -916,6 +922,7 @@ def _pump(
     exhausted = False
     collector.catch_up(poster.journal, tally)
     while True:
+        check_interrupted()  # a signal a library swallowed (it logs its error) still stops it
         stale &= state.posted.keys()
         due = repost_due({k: state.posted[k] for k in stale}, time.time(), grace_s)
         stale.difference_update(due)

@@ -71,6 +71,17 @@ def check_interrupted() -> None:
         raise Interrupted(_seen[0])
 
 
+def signal_behind(exc: BaseException) -> Interrupted | None:
+    """The signal an error stands for, if a start-up signal was taken: the handler's
+    `Interrupted` raised while a library runs code of ours can come out as that library's own
+    error (one CI run: a SIGINT during pydantic's `model_dump_json` came out as
+    `PydanticSerializationError: Interrupted: SIGINT`, and `backfill` exited 1, not 130).
+    Commands that promise 130 on a signal ask this of any error before reporting it."""
+    if isinstance(exc, Interrupted):
+        return exc
+    return Interrupted(_seen[0]) if _seen else None
+
+
 def exit_now(code: int) -> None:
     """Leave without the interpreter's exit hooks, once everything that matters is closed: a
     Kafka client thread still waiting on a broker that never answered, or a thread waiting for a

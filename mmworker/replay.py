@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
-from mmworker.exits import ExitCode, Interrupted
+from mmworker.exits import ExitCode, signal_behind
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -211,10 +211,14 @@ def replay(args: argparse.Namespace, cfg: WorkerConfig) -> int:
     (each said why); 130: interrupted."""
     try:
         return _replay(args, cfg)
-    except Interrupted as exc:
+    except BaseException as exc:
+        interrupted = signal_behind(exc)
+        if interrupted is None:
+            raise
         print(
-            f"mmworker replay: {exc}: stopped; some jobs may have been posted, and running it "
-            "again posts them again (results are keyed by job id, so downstream drops the copy)",
+            f"mmworker replay: {interrupted}: stopped; some jobs may have been posted, and "
+            "running it again posts them again (results are keyed by job id, so downstream "
+            "drops the copy)",
             file=sys.stderr,
         )
         return ExitCode.INTERRUPTED

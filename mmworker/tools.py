@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 from mmworker.client import Ack, Client
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
-from mmworker.exits import ExitCode, Interrupted
+from mmworker.exits import ExitCode, Interrupted, check_interrupted, signal_behind
 from mmworker.progress import progress
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
@@ -242,6 +242,7 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
 
         try:
             for name in sendable:
+                check_interrupted()  # a signal a library swallowed still stops the posting
                 try:
                     ref = media_ref(name, args.inline_max_bytes)
                 except OSError as exc:  # gone or unreadable since it was looked at
@@ -255,14 +256,17 @@ def submit(args: argparse.Namespace, cfg: WorkerConfig) -> int:
                 print(f"{job.job_id}\t{name}", flush=True)
                 sent += 1
             client.flush()
-        except Interrupted as exc:
-            bar.write(f"mmworker submit: {exc}: stopped after {sent} jobs")
-            return ExitCode.INTERRUPTED
-        except KafkaError as exc:
-            raise ConfigError(
-                f"cannot post to topic {topic!r} ({type(exc).__name__}: {exc}): create it (the "
-                "worker does with --create-topics N), or name another with --topic"
-            ) from exc
+        except BaseException as exc:
+            interrupted = signal_behind(exc)  # also when a library wrapped it in its own error
+            if interrupted is not None:
+                bar.write(f"mmworker submit: {interrupted}: stopped after {sent} jobs")
+                return ExitCode.INTERRUPTED
+            if isinstance(exc, KafkaError):
+                raise ConfigError(
+                    f"cannot post to topic {topic!r} ({type(exc).__name__}: {exc}): create it "
+                    "(the worker does with --create-topics N), or name another with --topic"
+                ) from exc
+            raise
         finally:
             client.close(timeout_s=5)
     failed += len(refusals)

@@ -36,6 +36,49 @@ def test_a_swallowed_start_up_signal_still_stops_at_the_next_check() -> None:
     assert out[:2] == ["swallowed", "stopped SIGTERM"], out
 
 
+_WRAPPED = """
+import os, signal
+from pydantic import BaseModel, field_serializer
+import mmworker.backfill
+from mmworker.exits import signal_behind, stop_on_signals
+
+class Job(BaseModel):
+    uri: str = "file:///a.png"
+
+    @field_serializer("uri")
+    def _signalled(self, uri: str) -> str:
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, taken while pydantic serializes
+        return uri
+
+def _backfill(args, cfg):
+    try:
+        return Job().model_dump_json()
+    except Exception as exc:
+        print(type(exc).__name__, flush=True)  # what reaches the command's handler
+        raise
+
+stop_on_signals()
+print("before", signal_behind(ValueError("a real error")), flush=True)
+mmworker.backfill._backfill = _backfill
+print("backfill exits", mmworker.backfill.backfill(None, None), flush=True)
+"""
+
+
+def test_a_signal_that_a_library_wraps_in_its_own_error_is_still_a_signal() -> None:
+    """One CI run: Ctrl-C during the backfill's `model_dump_json` came out as pydantic's error,
+    and the backfill exited 1 with a traceback instead of 130 and "run the same command"."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WRAPPED], capture_output=True, text=True, timeout=60, check=False
+    )
+    out = done.stdout.splitlines()
+    assert out == [
+        "before None",  # an error with no signal taken is not one
+        "PydanticSerializationError",
+        "backfill exits 130",
+    ], done.stderr[-2000:]
+    assert "stopped; run the same command to resume" in done.stderr
+
+
 def test_exit_codes_are_defined_once() -> None:
     """Orchestrators and the README read the codes: a second constant for one of them could
     drift from `ExitCode` unseen."""
