@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from mmworker import __version__, logs
 from mmworker.errors import ConfigError, WorkerError
-from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
+from mmworker.exits import ExitCode, Interrupted, exit_now, signal_behind, stop_on_signals
 from mmworker.set_items import parse_set
 
 # Flags for the settings people change most; anything else goes through --set or the environment.
@@ -772,21 +772,31 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except Interrupted:
+    except BaseException as exc:
+        # Whatever error a signal caused on its way out (a library may wrap it in its own, and
+        # ours may wrap that) is the signal: first, so no one-line error stands for it.
+        interrupted = signal_behind(exc)
+        if interrupted is None:
+            if not isinstance(exc, ValidationError | WorkerError | BrokenPipeError):
+                raise
+            return _failed(exc, args)
         if args.fn in (cmd_submit, cmd_backfill, cmd_replay):
             # Stopped before their own handler: 130 all the same, as a shell's `&&` must see a
             # posting command that did not finish (their documented code).
             return ExitCode.INTERRUPTED
-        raise
-    except ValidationError as exc:
+        raise interrupted from None if exc is interrupted else exc
+
+
+def _failed(exc: ValidationError | WorkerError | BrokenPipeError, args: argparse.Namespace) -> int:
+    """The exit code, and one line, for the errors a user can act on."""
+    if isinstance(exc, ValidationError):
         return _fail(explain_invalid(exc, args), args)
-    except WorkerError as exc:
+    if isinstance(exc, WorkerError):
         return _fail(exc.message, args)
-    except BrokenPipeError:
-        # The reader (`| head`) has gone: stop quietly, and let nothing flush into the pipe again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return ExitCode.PIPE_CLOSED
+    # The reader (`| head`) has gone: stop quietly, and let nothing flush into the pipe again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return ExitCode.PIPE_CLOSED
 
 
 def _fail(message: str, args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mmworker.exits import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +79,40 @@ def test_a_signal_that_a_library_wraps_in_its_own_error_is_still_a_signal() -> N
         "backfill exits 130",
     ], done.stderr[-2000:]
     assert "stopped; run the same command to resume" in done.stderr
+
+
+_OURS_WRAPPED = """
+import os, signal, sys, time
+import mmworker.cli as cli
+from mmworker.errors import ConfigError
+
+def broker_step(args):
+    try:
+        os.kill(os.getpid(), signal.SIG{sig})
+        time.sleep(5)  # the handler raises before this ends
+    except BaseException as exc:  # a step of ours that turns what it meets into a user error
+        raise ConfigError("cannot reach the brokers") from exc
+
+setattr(cli, "cmd_" + sys.argv[1], broker_step)
+print("exit", cli.main(sys.argv[1:]), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("command", "sig", "code"),
+    [(["status"], "TERM", ExitCode.OK), (["submit", "a.png"], "INT", ExitCode.INTERRUPTED)],
+)
+def test_a_signal_wrapped_in_a_user_error_exits_as_the_signal(
+    command: list[str], sig: str, code: int
+) -> None:
+    """Not with exit 2 and "mmworker: cannot reach the brokers": an orchestrator's SIGTERM is a
+    stop as asked (0), and Ctrl-C of a posting command is 130, whatever error it caused."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OURS_WRAPPED.replace("{sig}", sig), *command],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == [f"exit {code}"], done.stderr[-2000:]
+    assert "cannot reach the brokers" not in done.stderr
 
 
 def test_exit_codes_are_defined_once() -> None:
