@@ -508,7 +508,7 @@ class MediaStage:
             # but not the rules on where media may come from. Inline bytes are here already:
             # they are hashed, so a wrong hash beside them is checksum_mismatch, never another
             # media's features.
-            check_allowed(ref, self._policy)
+            check_allowed(ref, self._policy, handle)
             for params in (image, video):
                 key, hit = self._lookup(ref.sha256, params)
                 if hit is not None:

@@ -138,18 +138,20 @@ def fetch_bytes(ref: MediaRef, policy: FetchPolicy, handle: FetchHandle | None =
     return data
 
 
-def check_allowed(ref: MediaRef, policy: FetchPolicy) -> None:
+def check_allowed(ref: MediaRef, policy: FetchPolicy, handle: FetchHandle | None = None) -> None:
     """Raise what fetching `ref` would raise for its address alone, without reading anything.
 
     For a cache hit found by a declared sha256, which skips the fetch: the job must still be one
     this worker would have fetched (a forbidden URI stays forbidden when its content is cached).
+    `handle`, when given, lets another thread stop its DNS lookup.
     """
     if ref.uri is None:
         return
     if ref.uri.startswith("file://"):
         _checked_path(ref.uri, policy)
     else:
-        _vetted_addresses(_parse_http(ref.uri), policy)
+        deadline = time.monotonic() + policy.timeout_s  # a lookup is bounded as in a fetch
+        _vetted_addresses(_parse_http(ref.uri), policy, deadline, handle or FetchHandle())
 
 
 # --- file:// ---------------------------------------------------------------------------------
@@ -243,7 +245,7 @@ def _fetch_http(uri: str, policy: FetchPolicy, handle: FetchHandle) -> bytes:
         for _ in range(policy.max_redirects + 1):
             handle._check()
             target = _parse_http(url)
-            addresses = _vetted_addresses(target, policy)
+            addresses = _vetted_addresses(target, policy, deadline, handle)
             location = _get(target, addresses, policy, deadline, handle)
             if isinstance(location, bytes):
                 return location
@@ -339,7 +341,48 @@ def _resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-def _vetted_addresses(target: _Target, policy: FetchPolicy) -> list[str]:
+#: Lookups left running at once, at most (see `_lookup`): a flood of names whose resolver never
+#: answers waits for a slot, each within its own fetch's deadline, instead of adding threads.
+_LOOKUPS = threading.BoundedSemaphore(16)
+#: How often a fetch waiting for its lookup looks whether its job stopped it.
+_LOOKUP_POLL_S = 0.05
+
+
+def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
+    """`_resolve`, within the fetch's deadline and stoppable by its job.
+
+    getaddrinfo cannot be interrupted and takes the resolver's own timeouts and retries (tens of
+    seconds for a name server that never answers), which the fetch deadline did not bound: the
+    job ran past its time limit, and its thread of the I/O pool with it. The lookup runs in a
+    daemon thread of its own, which a fetch that gives up leaves to end in its own time.
+    """
+    answer: list[list[str] | Exception] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            answer.append(_resolve(target.host, target.port))
+        except Exception as exc:  # noqa: BLE001 - raised in the fetching thread, not lost
+            answer.append(exc)
+        finally:
+            _LOOKUPS.release()
+            done.set()
+
+    if not _LOOKUPS.acquire(timeout=_remaining(deadline, target)):
+        raise FetchTimeout(f"resolving {target.host}: every lookup slot waits on a slow resolver")
+    threading.Thread(target=run, name="mmworker-dns", daemon=True).start()
+    while not done.wait(_LOOKUP_POLL_S):
+        handle._check()
+        if time.monotonic() >= deadline:
+            raise FetchTimeout(f"no DNS answer for {target.host} within the fetch time limit")
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
+def _vetted_addresses(
+    target: _Target, policy: FetchPolicy, deadline: float, handle: FetchHandle
+) -> list[str]:
     """Resolve once and check every address; the connection then uses these, never a new lookup.
 
     Checking one lookup and connecting through another would let a DNS answer change in between
@@ -347,7 +390,7 @@ def _vetted_addresses(target: _Target, policy: FetchPolicy) -> list[str]:
     and internal addresses is either misconfigured or an attack.
     """
     try:
-        addresses = _resolve(target.host, target.port)
+        addresses = _lookup(target, deadline, handle)
     except (socket.gaierror, UnicodeError) as exc:
         raise FetchFailed(f"cannot resolve {target.host}: {exc}") from None
     if not addresses:

@@ -14,6 +14,7 @@ import pytest
 from mmworker_preprocess import fetch
 from mmworker_preprocess.errors import (
     ChecksumMismatch,
+    FetchAborted,
     FetchFailed,
     FetchTimeout,
     ForbiddenUri,
@@ -202,6 +203,42 @@ def test_a_name_with_any_internal_address_is_refused(monkeypatch):
     monkeypatch.setattr(fetch, "_resolve", lambda host, port: ["8.8.8.8", "10.0.0.5"])
     with pytest.raises(ForbiddenUri, match=r"10\.0\.0\.5"):
         fetch_bytes(_ref("http://mixed.example/a.png"), FetchPolicy())
+
+
+@pytest.fixture
+def hung_resolver(monkeypatch) -> Iterator[threading.Event]:
+    """A name server that does not answer: getaddrinfo waits out its own timeouts and retries."""
+    answer = threading.Event()
+
+    def resolve(host, port):
+        answer.wait(30)
+        return ["93.184.216.34"]
+
+    monkeypatch.setattr(fetch, "_resolve", resolve)
+    yield answer
+    answer.set()  # lets the lookups left behind end
+
+
+def test_a_lookup_that_hangs_is_bounded_by_the_fetch_deadline(hung_resolver):
+    started = time.monotonic()
+    with pytest.raises(FetchTimeout, match=r"no DNS answer for slow\.example") as info:
+        fetch_bytes(_ref("http://slow.example/a.png"), FetchPolicy(timeout_s=0.5))
+    assert info.value.retryable
+    assert time.monotonic() - started < 3  # not the resolver's 30 s
+    # The check a cache hit makes by a declared hash is bounded alike.
+    started = time.monotonic()
+    with pytest.raises(FetchTimeout):
+        check_allowed(_ref("http://slow.example/a.png", "0" * 64), FetchPolicy(timeout_s=0.5))
+    assert time.monotonic() - started < 3
+
+
+def test_a_job_stops_its_fetch_while_the_lookup_hangs(hung_resolver):
+    handle = fetch.FetchHandle()
+    threading.Timer(0.3, handle.abort).start()
+    started = time.monotonic()
+    with pytest.raises(FetchAborted):
+        fetch_bytes(_ref("http://slow.example/a.png"), FetchPolicy(timeout_s=20), handle)
+    assert time.monotonic() - started < 3
 
 
 def test_unresolvable_host_fails_retryably(monkeypatch):
