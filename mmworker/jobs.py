@@ -294,17 +294,20 @@ class JobRunner:
             while out is None:  # preempted by a live job: again, as in `_attempt`
                 out = await self._generate(asked, ctx, instruction, items, guided, isolated,
                                            background)  # fmt: skip
-            self._metrics.stage_seconds.labels("engine").observe(out.engine_s)
             self._metrics.output_tokens.inc(out.output_tokens)
             return out
 
         params = self._media.video_params(job).with_budget(self._segment_budget(job, plan))
-        return await run_segments(
+        result = await run_segments(
             job=job, plan=plan, checked=checked, media=self._media, params=params,
             generate=generate, ctx=ctx, queue_wait_s=queue_wait_s, t0=t0,
             count_tokens=lambda text: self._engine.prompt_tokens(text, ()),
             max_model_len=self._cfg.engine.max_model_len, observe=self._observe_segment,
+            retried=self._metrics.retries.inc,
         )  # fmt: skip
+        # One observation per job, as for the others: its requests' overlapping spans once.
+        self._metrics.stage_seconds.labels("engine").observe(result.timings.engine_s)
+        return result
 
     async def _generate(
         self, job: Job, ctx: Context, instruction: str, items: list[EngineItem],

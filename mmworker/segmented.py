@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -77,10 +78,41 @@ class _Slot:
     error: CodedError | None = None
     prompt_tokens: int = 0
     visual: int = 0
-    engine_s: float = 0.0
     frames: int = 0
     size: tuple[tuple[int, int], tuple[int, int]] | None = None
     cached: bool = False
+
+
+class EngineSpans:
+    """The wall time in which at least one of a job's requests was in the engine.
+
+    Up to `SEGMENTS_IN_FLIGHT` segment requests run at once, so the sum of their engine times
+    overstates the job's: it came out above `total_s`. Each request's span ends when its answer
+    arrives and is as long as the engine says it took."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[float, float]] = []
+
+    def timed(self, generate: Generate) -> Generate:
+        async def timed(
+            instruction: str, items: list[EngineItem], generation: GenerationParams,
+            checked: Checked | None,
+        ) -> EngineOutput:  # fmt: skip
+            out = await generate(instruction, items, generation, checked)
+            end = time.perf_counter()
+            self._spans.append((end - out.engine_s, end))
+            return out
+
+        return timed
+
+    @property
+    def seconds(self) -> float:
+        total, reach = 0.0, -math.inf
+        for start, end in sorted(self._spans):
+            if end > reach:
+                total += end - max(start, reach)
+                reach = end
+        return total
 
 
 def rule_of(spec: SegmentSpec) -> SegmentRule:
@@ -117,13 +149,18 @@ async def run_segments(
     count_tokens: Callable[[str], int] | None = None,
     max_model_len: int | None = None,
     observe: Callable[[bool, float], None] | None = None,
+    retried: Callable[[], None] | None = None,
 ) -> Result:
     """`count_tokens` (a text-only prompt's tokens) and `max_model_len`: the summary's prompt
     is fitted to the context (`fit_summary`); without them it is sent as it is. `observe`:
     called with (from the feature cache, seconds) for each segment decoded or found, for the
-    worker's cache and preprocess metrics, which otherwise saw no segment at all."""
+    worker's cache and preprocess metrics, which otherwise saw no segment at all; `retried`,
+    for each segment request tried again."""
     spec = job.segments
     assert spec is not None
+    spans = EngineSpans()
+    generate = spans.timed(generate)
+    retrying = _retrying(generate, retried)
     data, sha, fetch_s = await media.fetch(job.media[0])
     if sniff(data).kind != "video":
         raise UnsupportedMedia("segments need a video; the media is an image")
@@ -170,7 +207,7 @@ async def run_segments(
             slots.append(slot)
             tasks.append(
                 asyncio.create_task(
-                    _caption(job, spec, plan, checked, generate, seg, slot, sha, params, room)
+                    _caption(job, spec, plan, checked, retrying, seg, slot, sha, params, room)
                 )
             )
             if seg.last:
@@ -187,7 +224,7 @@ async def run_segments(
     fit = None if count_tokens is None or max_model_len is None else (count_tokens, max_model_len)
     summary, summary_out = await _summarise(job, spec, slots, generate, fit)
     return _result(job, ctx, slots, sha, summary, summary_out, cut, fetch_s, decode_s,
-                   queue_wait_s, time.perf_counter() - t0)  # fmt: skip
+                   spans.seconds, queue_wait_s, time.perf_counter() - t0)  # fmt: skip
 
 
 def _fatal(tasks: list[asyncio.Task[None]]) -> BaseException | None:
@@ -211,9 +248,7 @@ async def _caption(
     uuid = f"{make_key(sha, params)}:{seg.start_s:.3f}-{seg.end_s:.3f}"
     instruction = segment_instruction(spec, plan, seg.start_s, seg.end_s)
     try:
-        out = await _generate_retrying(
-            generate, instruction, [EngineItem(video, uuid)], job.generation, checked
-        )
+        out = await generate(instruction, [EngineItem(video, uuid)], job.generation, checked)
         parsed = None
         if checked is not None:
             parsed = parse_answer(
@@ -232,7 +267,7 @@ async def _caption(
     finally:
         del video, seg  # the frames go as soon as the engine has them
         room.release()
-    slot.prompt_tokens, slot.engine_s = out.prompt_tokens, out.engine_s
+    slot.prompt_tokens = out.prompt_tokens
     slot.result = SegmentResult(
         start_s=round(slot.start_s, 3), end_s=round(slot.end_s, 3), text=out.text,
         json_=parsed, frames=n, frame_timestamps=stamps, finish_reason=out.finish_reason,
@@ -242,23 +277,30 @@ async def _caption(
     log.info("job %s: segment %.1f-%.1fs captioned", job.job_id, slot.start_s, slot.end_s)
 
 
-async def _generate_retrying(
-    generate: Generate, instruction: str, items: list[EngineItem],
-    generation: GenerationParams, checked: Checked | None,
-) -> EngineOutput:  # fmt: skip
+def _retrying(generate: Generate, retried: Callable[[], None] | None) -> Generate:
     """A segment's request, tried again once after a retryable failure (a busy or restarting
-    engine): retrying the whole job would run every segment again."""
-    attempt = 1
-    while True:
-        try:
-            return await generate(instruction, items, generation, checked)
-        except (EngineFatal, PreprocessPoolDead):
-            raise
-        except CodedError as exc:
-            if not exc.retryable or attempt >= SEGMENT_ATTEMPTS:
+    engine): retrying the whole job would run every segment again. `retried` is told of each
+    retry (the worker's retries metric, which counts a job's own)."""
+
+    async def retrying(
+        instruction: str, items: list[EngineItem], generation: GenerationParams,
+        checked: Checked | None,
+    ) -> EngineOutput:  # fmt: skip
+        attempt = 1
+        while True:
+            try:
+                return await generate(instruction, items, generation, checked)
+            except (EngineFatal, PreprocessPoolDead):
                 raise
-            attempt += 1
-            log.warning("segment request failed (%s); trying it again", exc.message)
+            except CodedError as exc:
+                if not exc.retryable or attempt >= SEGMENT_ATTEMPTS:
+                    raise
+                attempt += 1
+                if retried is not None:
+                    retried()
+                log.warning("segment request failed (%s); trying it again", exc.message)
+
+    return retrying
 
 
 async def _summarise(
@@ -333,7 +375,7 @@ def fit_summary(
 def _result(
     job: Job, ctx: Context, slots: list[_Slot], sha: str, summary: str | None,
     summary_out: EngineOutput | None, cut: str | None, fetch_s: float, decode_s: float,
-    queue_wait_s: float, total_s: float,
+    engine_s: float, queue_wait_s: float, total_s: float,
 ) -> Result:  # fmt: skip
     segments = [
         s.result
@@ -384,7 +426,7 @@ def _result(
             queue_wait_s=max(0.0, queue_wait_s),
             fetch_s=fetch_s,
             preprocess_s=decode_s,
-            engine_s=sum(s.engine_s for s in slots) + sum(o.engine_s for o in extra),
+            engine_s=engine_s,
             total_s=total_s,
         ),
         cache_hit=cached,

@@ -78,7 +78,11 @@ class Timings(_Out):
     queue_wait_s: float = Field(ge=0.0)
     fetch_s: float = Field(ge=0.0)
     preprocess_s: float = Field(ge=0.0)
-    engine_s: float = Field(ge=0.0)
+    engine_s: float = Field(
+        ge=0.0,
+        description="Wall time with at least one of the job's requests in the engine; a "
+        "segmented job's overlapping segment requests count once",
+    )
     total_s: float = Field(ge=0.0)
 
 

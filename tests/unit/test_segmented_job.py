@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import time
+from collections.abc import Callable
 
 import pytest
 from media_scenes import scene_video
@@ -51,11 +53,14 @@ def _job(**segments: object) -> Job:
     return Job(job_id="long", media=[MediaRef(data=b"x")], segments=spec)  # type: ignore[arg-type]
 
 
-async def _run(job: Job, media: _Media, generate: object) -> object:
+async def _run(
+    job: Job, media: _Media, generate: object, retried: Callable[[], None] | None = None
+) -> object:
     job, plan = plan_job(job, {})
     return await run_segments(
         job=job, plan=plan, checked=None, media=media, params=PARAMS,  # type: ignore[arg-type]
         generate=generate, ctx=CTX, queue_wait_s=0.0, t0=0.0,  # type: ignore[arg-type]
+        retried=retried,
     )  # fmt: skip
 
 
@@ -152,8 +157,10 @@ def test_a_retryable_segment_failure_is_tried_once_more_and_a_permanent_one_is_n
             raise RequestFailed("engine rejected the request: bad", retryable=False)
         return _answer("ok")
 
-    result = asyncio.run(_run(_job(), _Media(), flaky))
+    retries: list[None] = []
+    result = asyncio.run(_run(_job(), _Media(), flaky, lambda: retries.append(None)))
     segs = result.segments  # type: ignore[attr-defined]
+    assert len(retries) == SEGMENT_ATTEMPTS - 1  # the worker's retries metric hears of it
     assert segs[1].error is None
     assert segs[1].text == "ok"
     assert segs[3].error is not None
@@ -288,3 +295,31 @@ def test_each_segment_reaches_the_cache_and_preprocess_metrics() -> None:
     runner._observe_segment(False, 0.2)
     assert metrics.cache.labels("hit")._value.get() == 1
     assert metrics.cache.labels("miss")._value.get() == 1
+
+
+def test_engine_time_counts_overlapping_segment_requests_once() -> None:
+    """Segment requests overlap (up to SEGMENTS_IN_FLIGHT at once): their summed engine times
+    came out above the job's `total_s`."""
+    calls = 0
+
+    async def engine(
+        instruction: str, items: list[EngineItem], generation: GenerationParams,
+        checked: Checked | None,
+    ) -> EngineOutput:  # fmt: skip
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.2)
+        return EngineOutput("ok", "stop", 10, 2, 0.2)
+
+    async def run() -> object:
+        job, plan = plan_job(_job(summary={}), {})
+        return await run_segments(
+            job=job, plan=plan, checked=None, media=_Media(), params=PARAMS,  # type: ignore[arg-type]
+            generate=engine, ctx=CTX, queue_wait_s=0.0, t0=time.perf_counter(),
+        )  # fmt: skip
+
+    timings = asyncio.run(run()).timings  # type: ignore[attr-defined]
+    assert calls == 7  # six segments and the summary: 1.4 s of engine time summed
+    assert timings.engine_s <= timings.total_s
+    # The summary follows every segment, so at least two spans never overlap.
+    assert 0.39 <= timings.engine_s < 1.2
