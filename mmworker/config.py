@@ -526,7 +526,9 @@ class LimitsConfig(_Section):
         8,
         ge=0,
         description="Backfill jobs held at most while live traffic is recent (a live job within "
-        "live_idle_s): on a CPU every request inside the engine slows each step of a live one",
+        "live_idle_s), and backfill requests inside the engine (a segmented job's segment "
+        "requests count each): on a CPU every request inside the engine slows each step of a "
+        "live one",
     )
     live_idle_s: float = Field(
         5.0, ge=0, description="Seconds without a live job after which backfill gets its full share"
