@@ -194,8 +194,12 @@ class EngineGate:
                 while not self._may_enter(background):
                     left = self._recent_left() if background else 0.0
                     if left > 0 and not self._foreground:  # wake when traffic is no longer recent
+                        # Not asyncio.wait_for: on Python 3.11 it returns the wait's result when
+                        # the job is cancelled as the wait ends, and the job entered the engine
+                        # with its cancellation lost (a timed-out or preempted job ran on).
                         with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._cond.wait(), left)
+                            async with asyncio.timeout(left):
+                                await self._cond.wait()
                     else:
                         await self._cond.wait()
             self._inside += 1

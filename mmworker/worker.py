@@ -273,7 +273,8 @@ class Worker:
     async def _bounded(self, call: Awaitable[object], limit_s: float = CLOSE_TIMEOUT_S + 1) -> None:
         """A client call while stopping: it must not hold the exit forever, nor fail it."""
         try:
-            await asyncio.wait_for(call, limit_s)
+            async with asyncio.timeout(limit_s):  # not wait_for: see `mmworker.gate.shared`
+                await call
         except (TimeoutError, KafkaError, OSError) as exc:
             log.warning("while stopping: %s", exc or type(exc).__name__)
 

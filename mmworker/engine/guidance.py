@@ -261,7 +261,8 @@ class GrammarChecker:
         threading.Thread(target=work, name="grammar-compile", daemon=True).start()
         limit = self._cfg.compile_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(done), timeout=limit)
+            async with asyncio.timeout(limit):  # not wait_for: see `mmworker.gate.shared`
+                return await asyncio.shield(done)
         except TimeoutError:
             # It may still finish, or fail, after nobody waits for it.
             done.add_done_callback(lambda f: f.cancelled() or f.exception())

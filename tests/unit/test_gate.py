@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+from pathlib import Path
 
 from mmworker.gate import EngineGate
 
@@ -183,3 +185,53 @@ def test_a_suspects_own_requests_share_its_turn_and_no_one_else_enters() -> None
     last_seg = max(events.index(f"-seg{i}") for i in range(4))
     assert events.index("+other-suspect") > last_seg
     assert events.index("+ordinary") > last_seg
+
+
+def test_a_backfill_job_cancelled_as_its_wait_ends_stays_cancelled() -> None:
+    """Python 3.11's asyncio.wait_for returns the wait's result when the waiting task is
+    cancelled as the wait ends: the job entered the engine with its cancellation (a time limit,
+    a stop) lost. Tried at each loop step after the gate opens."""
+
+    async def trial(steps: int) -> str:
+        gate = EngineGate(keep=0, idle_s=60.0)
+        async with gate.foreground():
+            pass  # live traffic is recent: backfill waits, to be woken when it no longer is
+
+        async def backfill() -> None:
+            async with gate.shared(background=True):
+                await asyncio.sleep(5)
+
+        task = asyncio.create_task(backfill())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gate._last_live = float("-inf")
+        await gate.set_cap(None)  # wakes the waiters
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            async with asyncio.timeout(1):
+                await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        except TimeoutError:
+            return "cancellation lost"
+        return "finished"
+
+    async def trials() -> list[str]:
+        return [await trial(steps) for steps in range(8)]
+
+    assert asyncio.run(trials()) == ["cancelled"] * 8
+
+
+def test_no_asyncio_wait_for_in_the_worker() -> None:
+    """It loses cancellations on Python 3.11 (above); `asyncio.timeout` does not."""
+    root = Path(__file__).resolve().parents[2] / "mmworker"
+    found = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "wait_for"
+        and isinstance(node.value, ast.Name) and node.value.id == "asyncio"
+    ]  # fmt: skip
+    assert not found, found
