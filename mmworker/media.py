@@ -23,7 +23,7 @@ from concurrent.futures import BrokenExecutor, Executor, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from mmworker_preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
+from mmworker_preprocess.errors import UndecodableImage, UndecodableVideo
 from mmworker_preprocess.fetch import FetchHandle, check_allowed, fetch_bytes
 from mmworker_preprocess.params import (
     FetchPolicy,
@@ -33,7 +33,7 @@ from mmworker_preprocess.params import (
     VideoParams,
 )
 from mmworker_preprocess.prepare import prepare_media, warm_up
-from mmworker_preprocess.sniff import sniff
+from mmworker_preprocess.sniff import sniff, sniff_signature
 from mmworker_preprocess.tokens import image_tokens, video_tokens
 from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
 from mmworker_schemas import Job, MediaRef
@@ -338,6 +338,26 @@ class MediaStage:
             raise
         return data, sha, time.perf_counter() - t0
 
+    async def kind(self, data: bytes) -> str:
+        """`sniff(data).kind`, with FFmpeg's probe, where needed, in the decoding pool: a blob
+        that crashes the probe takes down a pool process, and is then refused, instead of
+        killing the worker (and again at each redelivery: the partition would stop there)."""
+        found = sniff_signature(data)
+        if found is not None:
+            return found.kind
+        try:
+            return (await self._decoder.run(sniff, data)).kind
+        except BrokenExecutor:
+            if not self._decoder.rebuildable:
+                raise
+            try:  # a pool process died meanwhile, maybe under another job's media: alone
+                return (await self._decoder.run_alone(sniff, data)).kind
+            except BrokenExecutor as exc:
+                raise UndecodableVideo(
+                    "the video decoder's process died reading this media's container, also "
+                    "alone in a process of its own"
+                ) from exc
+
     async def decode_segment(
         self, data: bytes, sha: str, params: VideoParams, rule: SegmentRule, start_s: float
     ) -> tuple[PreparedSegment, bool]:
@@ -485,10 +505,7 @@ class MediaStage:
         self._crashed.move_to_end(key)
         while len(self._crashed) > MAX_REMEMBERED_CRASHES:
             self._crashed.popitem(last=False)
-        try:
-            kind = sniff(data).kind
-        except PreprocessError:
-            kind = "video"
+        kind = _signature_kind(data)  # not FFmpeg's probe: this media kills processes
         refused = UndecodableImage if kind == "image" else UndecodableVideo
         log.error(
             "media (key %s) killed the %s decoder's process on its own: refused", key[:16], kind
@@ -517,7 +534,8 @@ class MediaStage:
         data = fetch_bytes(ref, self._policy, handle)
         sha = hashlib.sha256(data).hexdigest()
         t1 = time.perf_counter()
-        params = image if sniff(data).kind == "image" else video
+        # What FFmpeg's probe would say (a video, or a refusal) is left to the decoding process.
+        params = image if _signature_kind(data) == "image" else video
         key, hit = self._lookup(sha, params)
         return _Acquired(data, sha, key, hit, t1 - t0, time.perf_counter() - t1)
 
@@ -605,3 +623,11 @@ class _Acquired:
     cached: PreparedImage | PreparedVideo | None
     fetch_s: float
     lookup_s: float
+
+
+def _signature_kind(data: bytes) -> str:
+    """The kind by the bytes' signature alone (`sniff_signature`, which refuses what is plainly
+    not media), without FFmpeg: whatever only FFmpeg could tell is a video or nothing, and the
+    decoding process finds out which."""
+    found = sniff_signature(data)
+    return found.kind if found is not None else "video"

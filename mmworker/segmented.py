@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from mmworker_preprocess.errors import NoFrames, UnsupportedMedia
 from mmworker_preprocess.params import VideoParams
-from mmworker_preprocess.sniff import sniff
 from mmworker_preprocess.tokens import video_tokens
 from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule
 from mmworker_schemas import (
@@ -162,7 +161,7 @@ async def run_segments(
     generate = spans.timed(generate)
     retrying = _retrying(generate, retried)
     data, sha, fetch_s = await media.fetch(job.media[0])
-    if sniff(data).kind != "video":
+    if await media.kind(data) != "video":
         raise UnsupportedMedia("segments need a video; the media is an image")
     rule = rule_of(spec)
     room = asyncio.Semaphore(SEGMENTS_IN_FLIGHT)

@@ -49,6 +49,21 @@ class MediaType:
 
 def sniff(data: bytes) -> MediaType:
     """Return the media type of `data`, or raise `UnsupportedMedia` saying what it looks like."""
+    found = sniff_signature(data)
+    if found is not None:
+        return found
+    found = _probe_video(data)
+    if found is not None:
+        return found
+    raise UnsupportedMedia(f"media format not recognised (first bytes {data[:12].hex(' ')})")
+
+
+def sniff_signature(data: bytes) -> MediaType | None:
+    """`sniff` without FFmpeg's probe: None when only the probe can tell (a video, or nothing).
+
+    Pure Python over the first bytes, so it is safe in a process that must not crash: the probe
+    parses an untrusted container with FFmpeg, and a blob that crashes it must take down a
+    decoding process (which is replaced, and the blob refused), not the worker itself."""
     if not data:
         raise UnsupportedMedia("media is empty (0 bytes)")
     found = _sniff_image(data) or _sniff_video(data)
@@ -58,10 +73,7 @@ def sniff(data: bytes) -> MediaType:
     refusal = _describe_non_media(data)
     if refusal is not None:
         raise UnsupportedMedia(refusal)
-    found = _probe_video(data)
-    if found is not None:
-        return found
-    raise UnsupportedMedia(f"media format not recognised (first bytes {data[:12].hex(' ')})")
+    return None
 
 
 def _sniff_image(data: bytes) -> MediaType | None:

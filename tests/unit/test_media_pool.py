@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
-from mmworker_preprocess.errors import PreprocessError, UndecodableImage
+from mmworker_preprocess.errors import PreprocessError, UndecodableImage, UndecodableVideo
 from mmworker_preprocess.params import ImageParams, VideoParams
 from mmworker_preprocess.prepare import prepare_media
 from mmworker_schemas import Job, MediaRef
@@ -37,6 +37,7 @@ from mmworker.jobs import JobRunner
 from mmworker.media import DecodePool, MediaStage, PreparedMedia
 from mmworker.metrics import Metrics
 from mmworker.worker import Worker
+from tests.media_videos import encode_video
 from tests.unit.loopkit import DLQ, Clients, Consumer, Producer, Suspects, config, run_until
 
 _HOOK_DIR = "MMWORKER_TEST_POOL_HOOK_DIR"
@@ -139,6 +140,57 @@ def test_a_process_killed_while_it_decodes_costs_no_job_and_the_pool_is_rebuilt(
                 assert outcome[0].kind == "image"
             assert pool.rebuilds == 1
             assert not stage._crashed  # nobody was convicted
+
+        asyncio.run(scenario())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        io.shutdown()
+
+
+def _probe_crashes_on_the_killer() -> None:
+    """Pool initializer: FFmpeg's container probe segfaults on media ending in `_KILLER`, every
+    time: a stand-in for a crafted container that crashes libavformat."""
+    from mmworker_preprocess import sniff as sniff_module
+
+    probe = sniff_module._probe_video
+
+    def crashing(data: bytes) -> Any:
+        if data.endswith(_KILLER):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return probe(data)
+
+    sniff_module._probe_video = crashing
+
+
+def test_a_container_that_crashes_ffmpegs_probe_kills_a_pool_process_not_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Media with no signature (NUT, ASF, MXF...) is a video only if FFmpeg's probe says so.
+    That probe ran in the worker's own process: a container that crashes it killed the worker,
+    and again at each redelivery, so its partition stopped there. It runs in the pool now, for
+    whole media and for segment mode, and the media is refused like one that kills its
+    decoder."""
+    from mmworker_preprocess import sniff as sniff_module
+
+    def in_the_worker(data: bytes) -> Any:
+        raise AssertionError("FFmpeg's probe ran in the worker's own process")
+
+    monkeypatch.setattr(sniff_module, "_probe_video", in_the_worker)
+    nut = encode_video("mpeg4", container="nut", n_frames=30)
+    killer = nut + _KILLER
+    pool = DecodePool(_spawn_pool(_probe_crashes_on_the_killer), workers=2)
+    stage, io = _stage(pool)
+    try:
+
+        async def scenario() -> None:
+            assert await stage.kind(nut) == "video"  # probed in the pool
+            with pytest.raises(UndecodableVideo, match="died reading this media's container"):
+                await asyncio.wait_for(stage.kind(killer), 180)
+            jobs = [_job("killer", killer), _job("nut", nut), _job("still", sample_image(64, 48))]
+            refused, *others = await asyncio.wait_for(_prepare_all(stage, jobs), 180)
+            assert isinstance(refused, UndecodableVideo), repr(refused)
+            assert not refused.retryable
+            assert [o[0].kind for o in others] == ["video", "image"], others  # type: ignore[index]
 
         asyncio.run(scenario())
     finally:

@@ -14,6 +14,7 @@ import pytest
 from media_scenes import scene_video
 from mmworker_preprocess.errors import UndecodableVideo
 from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.sniff import sniff
 from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
 from mmworker_schemas import ErrorCode, GenerationParams, Job, MediaRef, SourceCoords
 
@@ -38,6 +39,9 @@ class _Media:
 
     async def fetch(self, ref: MediaRef) -> tuple[bytes, str, float]:
         return CLIP, hashlib.sha256(CLIP).hexdigest(), 0.0
+
+    async def kind(self, data: bytes) -> str:
+        return sniff(data).kind
 
     async def decode_segment(
         self, data: bytes, sha: str, params: VideoParams, rule: SegmentRule, start_s: float
