@@ -37,7 +37,7 @@ from mmworker.config import WorkerConfig
 from mmworker.engine import model_info, resolve_model
 from mmworker.engine.shared_core import CoreLink
 from mmworker.errors import WorkerError
-from mmworker.exits import ExitCode, Interrupted, exit_now, stop_on_signals
+from mmworker.exits import ExitCode, exit_now, signal_behind, stop_on_signals
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.lifeline import die_with_parent
 
@@ -395,14 +395,23 @@ def _child_main(
             core=core,
             turn=my_turn if core is None else None,  # a shared core is up already
         )
-    except Interrupted:
-        code = ExitCode.OK
-    except WorkerError as exc:  # as `mmworker run` with one process reports it
-        log.error("%s: %s", cfg.worker_id, exc.message)
-        code = ExitCode.USAGE
-    except Exception:
-        # Logged with its traceback, then the same exit as every other: a Kafka client thread
-        # or the preprocessing pool must not hold it (the interpreter's exit hooks join them).
-        log.exception("%s failed", cfg.worker_id)
-        code = ExitCode.INTERNAL if ready.is_set() else ExitCode.START_FAILED
+    except BaseException as exc:  # noqa: BLE001 - each way out has its exit code
+        code = _child_exit(exc, cfg.worker_id, ready.is_set())
     exit_now(code)
+
+
+def _child_exit(exc: BaseException, worker_id: str, ready: bool) -> int:
+    """The exit code of a worker process that ended in `exc`: as `mmworker run` with one
+    process reports it. Whatever error a start-up signal caused is that signal (a stop as asked,
+    0), also when a step wrapped it in an error of its own."""
+    if signal_behind(exc) is not None:
+        return ExitCode.OK
+    if isinstance(exc, WorkerError):
+        log.error("%s: %s", worker_id, exc.message)
+        return ExitCode.USAGE
+    if not isinstance(exc, Exception):
+        raise exc  # SystemExit and the like: as they would without this handler
+    # Logged with its traceback, then the same exit as every other: a Kafka client thread or
+    # the preprocessing pool must not hold it (the interpreter's exit hooks join them).
+    log.error("%s failed", worker_id, exc_info=exc)
+    return ExitCode.INTERNAL if ready else ExitCode.START_FAILED

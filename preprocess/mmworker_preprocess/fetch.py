@@ -342,8 +342,10 @@ def _resolve(host: str, port: int) -> list[str]:
 
 
 #: Lookups left running at once, at most (see `_lookup`): a flood of names whose resolver never
-#: answers waits for a slot, each within its own fetch's deadline, instead of adding threads.
-_LOOKUPS = threading.BoundedSemaphore(16)
+#: answers waits for a slot, each within its own fetch's deadline, instead of adding threads
+#: without end. Far above the I/O pool's threads: a few hostile names must not leave the other
+#: jobs' fetches waiting for a slot.
+_LOOKUPS = threading.BoundedSemaphore(256)
 #: How often a fetch waiting for its lookup looks whether its job stopped it.
 _LOOKUP_POLL_S = 0.05
 
@@ -356,6 +358,8 @@ def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
     job ran past its time limit, and its thread of the I/O pool with it. The lookup runs in a
     daemon thread of its own, which a fetch that gives up leaves to end in its own time.
     """
+    if _is_ip_literal(target.host):
+        return _resolve(target.host, target.port)  # no name server is asked
     answer: list[list[str] | Exception] = []
     done = threading.Event()
 
@@ -368,9 +372,13 @@ def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
             _LOOKUPS.release()
             done.set()
 
-    if not _LOOKUPS.acquire(timeout=_remaining(deadline, target)):
-        raise FetchTimeout(f"resolving {target.host}: every lookup slot waits on a slow resolver")
-    threading.Thread(target=run, name="mmworker-dns", daemon=True).start()
+    while not _LOOKUPS.acquire(timeout=min(_LOOKUP_POLL_S, _remaining(deadline, target))):
+        handle._check()
+    try:
+        threading.Thread(target=run, name="mmworker-dns", daemon=True).start()
+    except RuntimeError:  # no thread to be had: the slot was not used
+        _LOOKUPS.release()
+        raise
     while not done.wait(_LOOKUP_POLL_S):
         handle._check()
         if time.monotonic() >= deadline:
@@ -378,6 +386,14 @@ def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
     if isinstance(answer[0], Exception):
         raise answer[0]
     return answer[0]
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _vetted_addresses(

@@ -211,6 +211,8 @@ def hung_resolver(monkeypatch) -> Iterator[threading.Event]:
     answer = threading.Event()
 
     def resolve(host, port):
+        if not host.startswith("slow"):
+            return [host]  # an address literal: no name server is asked
         answer.wait(30)
         return ["93.184.216.34"]
 
@@ -239,6 +241,30 @@ def test_a_job_stops_its_fetch_while_the_lookup_hangs(hung_resolver):
     with pytest.raises(FetchAborted):
         fetch_bytes(_ref("http://slow.example/a.png"), FetchPolicy(timeout_s=20), handle)
     assert time.monotonic() - started < 3
+
+
+def test_lookups_that_hang_take_no_slot_from_address_literals_or_stopped_fetches(
+    hung_resolver, monkeypatch
+):
+    monkeypatch.setattr(fetch, "_LOOKUPS", threading.BoundedSemaphore(1))
+    with pytest.raises(FetchTimeout):
+        fetch_bytes(_ref("http://slow1.example/a"), FetchPolicy(timeout_s=0.3))
+    # That fetch gave up; its lookup still holds the only slot.
+    # An address literal asks no name server, so it needs no slot.
+    with pytest.raises(ForbiddenUri):
+        check_allowed(_ref("http://10.0.0.5/a.png", "0" * 64), FetchPolicy(timeout_s=0.3))
+    # A fetch waiting for a slot is stopped by its job, and times out at its deadline.
+    handle = fetch.FetchHandle()
+    threading.Timer(0.3, handle.abort).start()
+    started = time.monotonic()
+    with pytest.raises(FetchAborted):
+        fetch_bytes(_ref("http://slow2.example/a"), FetchPolicy(timeout_s=20), handle)
+    assert time.monotonic() - started < 3
+    with pytest.raises(FetchTimeout, match="past the time limit"):
+        fetch_bytes(_ref("http://slow3.example/a"), FetchPolicy(timeout_s=0.3))
+    # The slot comes back once the lookup ends.
+    hung_resolver.set()
+    assert fetch._LOOKUPS.acquire(timeout=5)
 
 
 def test_unresolvable_host_fails_retryably(monkeypatch):

@@ -281,15 +281,40 @@ _child_main(cfg, ready, go, None, turn, planned)
 """
 
 
+#: A child stopped by SIGTERM during start-up, in a step that turns what it meets into an
+#: error of its own.
+SIGNALLED = """
+import os, signal, time
+import mmworker.app
+from mmworker.processes import _child_main
+
+def run_worker(*args, **kwargs):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    except BaseException as exc:
+        raise error from exc
+
+mmworker.app.run_worker = run_worker
+_child_main(cfg, ready, go, None, turn, planned)
+"""
+
+
 @pytest.mark.parametrize(
-    ("error", "want"),
-    [(ConfigError("task 'x': bad response_format"), 2), (RuntimeError("engine load"), 1)],
+    ("script", "error", "want"),
+    [
+        (FAILS, ConfigError("task 'x': bad response_format"), 2),
+        (FAILS, RuntimeError("engine load"), 1),
+        (SIGNALLED, ConfigError("cannot reach the brokers"), 0),  # a stop as asked
+        (SIGNALLED, RuntimeError("engine load"), 0),
+    ],
 )
-def test_a_childs_configuration_error_exits_2_and_any_other_start_failure_1(
-    error: Exception, want: int
+def test_a_childs_exit_is_2_for_configuration_1_for_a_failed_start_0_for_a_stop(
+    script: str, error: Exception, want: int
 ) -> None:
     """As `mmworker run` with one process: exit 2 is a configuration to fix, 1 a start that
-    failed; either after a logged line, not a hang on the child's library threads."""
+    failed; either after a logged line, not a hang on the child's library threads. An error a
+    stop caused is the stop (0): with exit 2, the set's combined exit was 2 too."""
     children = _Children(load_config(processes=2), lambda: False)
     ctx = children.ctx
     names = {
@@ -300,7 +325,7 @@ def test_a_childs_configuration_error_exits_2_and_any_other_start_failure_1(
         "planned": ctx.Value("q", 0),
         "error": error,
     }
-    child = ctx.Process(target=exec, args=(FAILS, names))
+    child = ctx.Process(target=exec, args=(script, names))
     child.start()
     child.join(60)
     assert child.exitcode == want
