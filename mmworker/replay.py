@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
-from mmworker.exits import ExitCode, signal_behind
+from mmworker.exits import ExitCode, check_interrupted, signal_behind
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -159,6 +159,7 @@ def scan(cfg: WorkerConfig, selection: Selection) -> Scan:
         consumer.seek_to_beginning(*parts)
         ends = consumer.end_offsets(parts)
         while True:
+            check_interrupted()  # a Ctrl-C that a library swallowed still stops the scan
             batches = consumer.poll(timeout_ms=500)
             # Past the end offsets and nothing more: the end (an empty poll is needed too, as
             # the Tansu broker reports the end as its last batch's first offset + 1).
@@ -342,6 +343,7 @@ class AnswerReader:
         answers: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + wait_s
         while len(answers) < len(expected) and time.monotonic() < deadline:
+            check_interrupted()  # a Ctrl-C that a library swallowed still stops the wait
             for records in self._consumer.poll(timeout_ms=500, max_records=2048).values():
                 for record in records:
                     try:

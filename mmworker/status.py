@@ -32,7 +32,7 @@ from kafka.errors import KafkaError
 from kafka.structs import TopicPartition as KafkaTP
 
 from mmworker.config import KafkaConfig, WorkerConfig
-from mmworker.exits import Interrupted
+from mmworker.exits import Interrupted, check_interrupted, signal_behind
 from mmworker.group_members import GroupQueryError, Member, describe_members
 
 #: Bytes a partition's fetch may return: the lag scan needs one record per partition, and a
@@ -369,11 +369,12 @@ def run_status(cfg: WorkerConfig, as_json: bool, watch_s: float | None, since: s
     reader = StatusReader(cfg.kafka)
     try:
         while True:
+            check_interrupted()  # a Ctrl-C that a library swallowed or wrapped still ends it
             recent_s = max(0.0, time.time() - parse_when(since).timestamp())
             try:
                 status = reader.read(recent_s)
             except GroupQueryError as exc:
-                if watch_s is None:
+                if watch_s is None or signal_behind(exc) is not None:
                     raise
                 # -w outlives a broker that goes away: it says so and asks again.
                 print(f"mmworker status: {exc.message}; again in {watch_s:g}s", file=sys.stderr)

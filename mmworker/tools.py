@@ -33,7 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 from mmworker.client import Ack, Client
 from mmworker.config import WorkerConfig
 from mmworker.errors import ConfigError
-from mmworker.exits import ExitCode, Interrupted, check_interrupted, signal_behind
+from mmworker.exits import ExitCode, check_interrupted, signal_behind
 from mmworker.progress import progress
 
 #: Bytes read from a file to recognise it: signatures need a few dozen, FFmpeg's probe of an
@@ -295,8 +295,9 @@ def tail(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         for record in client.records(topics, idle_timeout_s=idle, from_now=args.from_now):
             seen += 1
             print(_line(record, args.json), flush=True)
-    except Interrupted:
-        pass  # Ctrl-C is how --follow ends
+    except BaseException as exc:
+        if signal_behind(exc) is None:  # Ctrl-C is how --follow ends, also when wrapped
+            raise
     print(f"{seen} records in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0
 

@@ -115,6 +115,44 @@ def test_a_signal_wrapped_in_a_user_error_exits_as_the_signal(
     assert "cannot reach the brokers" not in done.stderr
 
 
+_WATCHED = """
+import os, signal, time
+from types import SimpleNamespace
+import mmworker.status as status
+from mmworker.exits import signal_behind, stop_on_signals
+
+class Reader:
+    def __init__(self, kafka):
+        pass
+
+    def read(self, recent_s):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except BaseException as exc:
+            raise status.GroupQueryError("the brokers did not answer") from exc
+
+    def close(self):
+        pass
+
+status.StatusReader = Reader
+stop_on_signals()
+try:
+    status.run_status(SimpleNamespace(kafka=None), as_json=True, watch_s=0.1, since="1h")
+except Exception as exc:
+    print("ended by", signal_behind(exc), flush=True)
+"""
+
+
+def test_status_watch_ends_at_a_ctrl_c_that_came_out_as_a_broker_error() -> None:
+    """`status -w` outlives brokers that do not answer; it took a Ctrl-C wrapped in that error
+    for one of them, said "again in 0.1s", and only a second Ctrl-C ended it (exit 130)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WATCHED], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout.splitlines()) == (0, ["ended by SIGINT"]), done.stderr
+
+
 def test_exit_codes_are_defined_once() -> None:
     """Orchestrators and the README read the codes: a second constant for one of them could
     drift from `ExitCode` unseen."""

@@ -231,7 +231,9 @@ def test_no_asyncio_wait_for_in_the_worker() -> None:
         f"{path.relative_to(root)}:{node.lineno}"
         for path in sorted(root.rglob("*.py"))
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Attribute) and node.attr == "wait_for"
-        and isinstance(node.value, ast.Name) and node.value.id == "asyncio"
+        if (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+            and isinstance(node.value, ast.Name) and node.value.id == "asyncio")
+        or (isinstance(node, ast.ImportFrom) and node.module == "asyncio"
+            and any(alias.name == "wait_for" for alias in node.names))
     ]  # fmt: skip
     assert not found, found
