@@ -69,8 +69,9 @@ class ForbiddenReplyTopic(WorkerError):
 
 
 class PublishRefused(WorkerError):
-    """The broker (or the producer) refused this one record for good: it is too large.
-    Retrying forever would pin the partition's commit, so the job is dead-lettered."""
+    """The broker (or the producer) refused this one record for good: it is too large, or
+    it put a new producer in its fatal state too. Retrying forever would pin the partition's
+    commit, so the job is dead-lettered."""
 
     code = ErrorCode.PUBLISH_FAILED
 

@@ -45,6 +45,8 @@ RECORD_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError)
 #: other error, retriable or not (kafka-python marks some transient producer errors, such as an
 #: idempotent producer's epoch bump, non-retriable), is retried with backoff.
 TOPIC_REFUSALS = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError, InvalidTopicError)
+#: Producers one record may put in their fatal state before it counts as refused for good.
+RENEWALS_PER_RECORD = 2
 
 
 class RenewableProducer:
@@ -80,7 +82,15 @@ class RenewableProducer:
             failed = given_up(self.current)
             if failed is None:
                 return False
-            old, self.current = self.current, self._make()
+            try:
+                fresh = self._make()
+            except KafkaError as exc:  # the brokers are gone meanwhile: asked again later
+                log.warning(
+                    "the producer stopped sending after the broker refused a record (%s), and "
+                    "a new one could not reach the brokers (%s)", failed, exc,
+                )  # fmt: skip
+                return False
+            old, self.current = self.current, fresh
         log.warning(
             "the producer stopped sending after the broker refused a record (%s): replaced by a "
             "new one", failed,
@@ -126,6 +136,7 @@ class Publisher:
         reply = outcome.topic not in (k.output_topic, k.dead_letter_topic)
         lock = self._sending.setdefault(outcome.topic, asyncio.Lock())
         delay = 0.2
+        renewed = 0
         while True:
             if reply and not await self._reply_topics.exists(outcome.topic):
                 raise UnknownReplyTopic(
@@ -143,7 +154,15 @@ class Publisher:
                 raise TopicRefused(f"{outcome.topic}: {type(exc).__name__}: {exc}") from exc
             except KafkaError as exc:
                 if await self.renew_if_given_up():
-                    continue  # the record was refused by a producer that refuses everything
+                    renewed += 1
+                    if renewed < RENEWALS_PER_RECORD:
+                        continue  # refused by a producer that refused everything: try a new one
+                    # A new producer gave up on this record too (InvalidTimestampError, an
+                    # unknown server error): the broker refuses the record, not the producer.
+                    # Sent again, it renewed producers without end and was never dead-lettered.
+                    raise PublishRefused(
+                        f"{type(exc).__name__}: {exc} (refused again by a new producer)"
+                    ) from exc
                 if isinstance(exc, KafkaTimeoutError):  # no metadata: deleted since it was found?
                     self._reply_topics.forget(outcome.topic)
                 log.warning(

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from kafka.errors import (
+    InvalidTimestampError,
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
@@ -285,3 +286,76 @@ def test_a_producer_given_up_after_a_broker_refusal_is_replaced_and_the_partitio
         ((topic, result),) = answers
         assert (topic, result["job_id"]) == (output, "job-1"), answers
     producer.close(1)
+
+
+class _GivesUpOnResults(Producer):
+    """kafka-python's idempotent producer when the broker refuses a result for a reason other
+    than its size (InvalidTimestampError, an unknown server error): the refusal puts it in its
+    fatal state, and a new producer does the same with that record."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).made += 1
+        self.fatal: BaseException | None = None
+        self._transaction_manager = self
+
+    def has_fatal_error(self) -> bool:
+        return self.fatal is not None
+
+    @property
+    def last_error(self) -> BaseException | None:
+        return self.fatal
+
+    def send(self, topic: str, *, key: bytes, value: bytes, headers: Any = None) -> Any:
+        if self.fatal is not None:
+            raise self.fatal
+        if topic == OUTPUT:
+            self.fatal = InvalidTimestampError("timestamp out of range")
+            raise self.fatal
+        return super().send(topic, key=key, value=value, headers=headers)
+
+
+def test_a_result_every_new_producer_gives_up_on_is_dead_lettered_not_sent_forever() -> None:
+    """It renewed producers without pause or end (thousands a second), was never
+    dead-lettered, and its partition's commit stayed where it was."""
+    from mmworker.publishing import RENEWALS_PER_RECORD, RenewableProducer
+
+    producers: list[_GivesUpOnResults] = []
+
+    def make() -> _GivesUpOnResults:
+        producers.append(_GivesUpOnResults())
+        return producers[-1]
+
+    cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
+    handler, stopping, tracker, _ = _handler_with(
+        cfg, Publisher(cfg.kafka, RenewableProducer(make))
+    )
+    asyncio.run(asyncio.wait_for(handler.handle(TP, _record()), 30))
+    assert stopping.exit_code == ExitCode.OK, stopping
+    assert tracker.to_commit() == {TP: 8}
+    (failure,) = [doc for p in producers for doc in p.on(DLQ)]
+    assert failure["code"] == "publish_failed" and "InvalidTimestampError" in failure["message"]
+    assert len(producers) == RENEWALS_PER_RECORD + 1  # the first, and one new per refusal
+
+
+def test_a_new_producer_that_cannot_reach_the_brokers_is_asked_for_again_later() -> None:
+    """Building it raised out of the publisher's retry loop: the worker stopped, exit 5."""
+    from mmworker.publishing import RenewableProducer
+
+    attempts: list[int] = []
+
+    def make() -> Producer:
+        attempts.append(1)
+        if len(attempts) == 2:
+            raise KafkaTimeoutError("Unable to bootstrap from ['broker:9092']")
+        return Producer()
+
+    producer = RenewableProducer(make)
+    producer.current._transaction_manager = SimpleNamespace(  # given up
+        has_fatal_error=lambda: True, last_error=InvalidTimestampError("out of range")
+    )
+    assert producer.renew_if_given_up() is False  # the brokers are gone: it stays as it is
+    assert producer.renew_if_given_up() is True
+    assert len(attempts) == 3
