@@ -36,8 +36,9 @@ def make_cache(cfg: WorkerConfig) -> FeatureCache:
     if not cfg.cache.enabled:
         return NullFeatureCache()
     return DiskFeatureCache(
-        cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level
-    )
+        cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level,
+        part=cfg.cache.part,
+    )  # fmt: skip
 
 
 def encoder_store_dir(cfg: WorkerConfig) -> Path | None:

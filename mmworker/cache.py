@@ -344,16 +344,24 @@ class DiskFeatureCache:
     The in-memory index mirrors the directory so eviction needs no directory scan; disk stays the
     source of truth (a missing file is just a miss). Recency is also written to the file mtime so
     the LRU order survives restarts. Several processes may share a directory safely (atomic
-    renames, tolerant of files vanishing), but each enforces the budget over its own view only.
+    renames, tolerant of files vanishing), but each enforces the budget over its own view only:
+    the entries it writes, and of those on disk when it starts, its `part` (i, N), the keys in
+    the i-th of N equal shares. Each process of N then starts with its share of the directory
+    and its share of the budget; indexing all of it, each evicted the directory down to its
+    share at every start (half of a warm cache gone at each restart of two processes).
     """
 
     def __init__(
-        self, directory: Path, max_bytes: int, zstd_level: int = 3, *, fsync: bool = False
-    ) -> None:
+        self, directory: Path, max_bytes: int, zstd_level: int = 3, *, fsync: bool = False,
+        part: tuple[int, int] = (0, 1),
+    ) -> None:  # fmt: skip
         if max_bytes <= 0:
             raise CacheError("max_bytes must be positive")
+        if not 0 <= part[0] < part[1]:
+            raise CacheError(f"part {part}: the i-th of N shares, 0 <= i < N")
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        self.part = part
         self.fsync = fsync
         self._codecs = _Codecs(zstd_level)
         self._lock = threading.Lock()
@@ -429,6 +437,8 @@ class DiskFeatureCache:
                 key = f.name.removesuffix(SUFFIX)
                 if f.suffix != SUFFIX or not _KEY_RE.fullmatch(key) or key[:2] != shard.name:
                     continue
+                if int(key[:8], 16) % self.part[1] != self.part[0]:
+                    continue  # another process's share
                 try:
                     st = f.stat()
                 except FileNotFoundError:

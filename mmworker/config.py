@@ -451,6 +451,11 @@ class CacheConfig(_Section):
         description="Byte budget of the directory (LRU); with processes > 1 each process keeps "
         "an equal share",
     )
+    part: tuple[int, int] = Field(
+        (0, 1),
+        description="(i, N): the share of the entries on disk at start that this process "
+        "counts and evicts (by key); set by the supervisor of processes > 1, not by hand",
+    )
     zstd_level: int = Field(
         1, ge=1, le=22, description="zstd level of cache entries (1: half the time of 3)"
     )
@@ -467,6 +472,13 @@ class CacheConfig(_Section):
     encoder_max_bytes: int = Field(
         20 * 1024**3, ge=1024 * 1024, description="Byte budget of the encoder outputs (LRU)"
     )
+
+    @field_validator("part")
+    @classmethod
+    def _a_share(cls, part: tuple[int, int]) -> tuple[int, int]:
+        if not 0 <= part[0] < part[1]:
+            raise ValueError(f"{part}: the i-th of N shares, 0 <= i < N")
+        return part
 
 
 class LimitsConfig(_Section):

@@ -62,9 +62,12 @@ def child_config(cfg: WorkerConfig, index: int) -> WorkerConfig:
     preprocess = cfg.preprocess
     if "workers" not in preprocess.model_fields_set:  # the default is per host: split it
         preprocess = preprocess.model_copy(update={"workers": max(1, preprocess.workers // n)})
-    # One directory, and each process evicts only the entries it knows (its own, and those on
-    # disk when it started): with the whole budget each, the directory grew to N x max_bytes.
-    cache = cfg.cache.model_copy(update={"max_bytes": max(1, cfg.cache.max_bytes // n)})
+    # One directory, and each process evicts only the entries it knows (its own, and its share
+    # of those on disk when it started): with the whole budget each, the directory grew to
+    # N x max_bytes; with all of the directory each, every start evicted it to one share.
+    cache = cfg.cache.model_copy(
+        update={"max_bytes": max(1, cfg.cache.max_bytes // n), "part": (index, n)}
+    )
     port = cfg.metrics_port
     return cfg.model_copy(
         update={

@@ -268,6 +268,28 @@ def test_startup_evicts_down_to_a_smaller_budget(tmp_path: Path) -> None:
     assert c2.stats().evictions == 3 and c2.stats().entries == 1
 
 
+def test_processes_sharing_the_directory_start_with_their_share_not_an_eviction(
+    tmp_path: Path,
+) -> None:
+    """With processes = 2, each process had half the budget and indexed the whole directory:
+    every start evicted a full cache down to half."""
+    keys = [key_for(str(i)) for i in range(24)]
+    full = DiskFeatureCache(tmp_path, max_bytes=10 * MB)
+    for i, k in enumerate(keys):
+        full.put_image(k, noise_image(i))
+    # The directory full for one process; a share of the keys is about half of it (here 10 and
+    # 14 entries, within the slack).
+    budget = sum(entry_size(full, k) for k in keys) * 12 // 10
+    halves = [DiskFeatureCache(tmp_path, max_bytes=budget // 2, part=(i, 2)) for i in range(2)]
+    assert all(full.path_for(k).exists() for k in keys)  # nothing evicted
+    assert sum(h.stats().evictions for h in halves) == 0
+    assert sum(h.stats().entries for h in halves) == len(keys)  # each entry counted once
+    assert all(h.stats().entries > 0 for h in halves)
+    assert all(h.get_image(k) is not None for h in halves for k in keys)  # any serves any
+    with pytest.raises(CacheError):
+        DiskFeatureCache(tmp_path, max_bytes=MB, part=(2, 2))
+
+
 def test_oversized_entry_is_not_stored(tmp_path: Path) -> None:
     c = DiskFeatureCache(tmp_path, max_bytes=1000)
     small = PreparedImage(pixels=np.zeros((28, 28, 3), np.uint8), original_size=(28, 28))
