@@ -246,9 +246,11 @@ def _decode(blob: bytes, dctx: zstandard.ZstdDecompressor) -> tuple[int, _Array,
     except (UnicodeDecodeError, TypeError, ValueError, SyntaxError) as e:
         # numpy parses a damaged dtype string (",u1", "|01") with its own grammar's errors
         raise _CorruptEntry(f"bad dtype {dtype_b!r}") from e
-    if dtype.hasobject:
-        raise _CorruptEntry("object dtype")
+    if dtype != np.uint8:  # what every entry holds: RGB bytes (an odd dtype raised on reshape)
+        raise _CorruptEntry(f"dtype {dtype}, not uint8")
     shape = struct.unpack(f"<{ndim}Q", shape_b)
+    if len(shape) != (3 if kind == _KIND_IMAGE else 4) or shape[-1] != 3 or 0 in shape:
+        raise _CorruptEntry(f"shape {shape} is not H×W×3 or T×H×W×3")
     if math.prod(shape) * dtype.itemsize != raw_len:
         raise _CorruptEntry("shape/dtype disagree with payload length")
     if raw_len > _MAX_RAW_BYTES:
@@ -268,7 +270,7 @@ def _decode(blob: bytes, dctx: zstandard.ZstdDecompressor) -> tuple[int, _Array,
         raise _CorruptEntry("checksum mismatch")
     try:
         meta = json.loads(meta_b)
-    except ValueError as e:  # covers JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise _CorruptEntry("bad meta JSON") from e
     if not isinstance(meta, dict):
         raise _CorruptEntry("meta is not an object")
@@ -475,7 +477,7 @@ class DiskFeatureCache:
                 raise _CorruptEntry(f"entry kind {got_kind}, wanted {kind}")
             try:
                 value = build(array, meta)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:  # 1e999 as an int
                 raise _CorruptEntry(f"bad meta: {e!r}") from e
         except _CorruptEntry as e:
             log.warning("feature cache: dropping corrupt entry %s: %s", path, e)

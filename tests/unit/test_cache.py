@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -363,6 +364,40 @@ def test_corrupt_entry_is_a_counted_miss_and_removed(tmp_path: Path, how: str) -
     # The slot is usable again.
     c.put_image(key, noise_image(1))
     assert c.get_image(key) is not None
+
+
+#: Entries whose checksum holds but whose contents no worker writes (a tampered file, a bug):
+#: each raised its own error out of the lookup (the job failed as internal_error, and so did
+#: every later job of that media, the file being kept), or was served as features.
+WELL_FORMED_NONSENSE: dict[str, tuple[Any, dict[str, object]]] = {
+    "float_pixels": (np.zeros((28, 28, 3), np.float32), {"original_size": [28, 28]}),
+    "empty_dtype": (np.zeros((28, 28, 0), "V0"), {"original_size": [28, 28]}),
+    "no_channels": (np.zeros((28, 28), np.uint8), {"original_size": [28, 28]}),
+    "zero_size": (np.zeros((0, 28, 3), np.uint8), {"original_size": [28, 28]}),
+    "huge_int": (np.zeros((28, 28, 3), np.uint8), {"original_size": [1e999, 28]}),
+    "deep_meta": (np.zeros((28, 28, 3), np.uint8), {"original_size": [28, 28]}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WELL_FORMED_NONSENSE))
+def test_an_entry_with_a_valid_checksum_but_nonsense_inside_is_a_miss(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zstandard
+
+    from mmworker.cache import _KIND_IMAGE, _encode
+
+    c = DiskFeatureCache(tmp_path, max_bytes=MB)
+    key = key_for(how)
+    array, meta = WELL_FORMED_NONSENSE[how]
+    with monkeypatch.context() as m:
+        if how == "deep_meta":  # nested deeper than json.loads recurses (RecursionError)
+            m.setattr(json, "dumps", lambda *_, **__: '{"x":' * 100_000 + "1" + "}" * 100_000)
+        blob = _encode(_KIND_IMAGE, array, meta, zstandard.ZstdCompressor())
+    c.path_for(key).parent.mkdir(parents=True, exist_ok=True)
+    c.path_for(key).write_bytes(blob)
+    assert c.get_image(key) is None
+    assert c.stats().corrupt == 1 and not c.path_for(key).exists()
 
 
 def test_entry_of_the_wrong_kind_is_treated_as_corrupt(tmp_path: Path) -> None:
