@@ -35,6 +35,7 @@ from mmworker_preprocess.params import (
 from mmworker_preprocess.prepare import prepare_media, warm_up
 from mmworker_preprocess.sniff import sniff, sniff_signature
 from mmworker_preprocess.tokens import image_tokens, video_tokens
+from mmworker_preprocess.video.partial import judge_cached
 from mmworker_preprocess.video.segments import PreparedSegment, SegmentRule, prepare_segment
 from mmworker_schemas import Job, MediaRef
 
@@ -576,7 +577,10 @@ class MediaStage:
             return pending
         if isinstance(params, ImageParams):
             return self._cache.get_image(key)
-        return self._cache.get_video(key)
+        video = self._cache.get_video(key)
+        if video is not None:
+            judge_cached(video, params)
+        return video
 
     def _put(self, key: str, prepared: PreparedImage | PreparedVideo) -> None:
         try:

@@ -115,7 +115,8 @@ class VideoParams:
     def cache_key_fields(self) -> dict[str, object]:
         # min_decoded_fraction only decides whether a video is refused, and refusals are never
         # cached: the frames of any video it lets through are the same at every setting, so
-        # it is left out rather than making every cached video a miss once.
+        # it is left out rather than making every cached video a miss once. A partial video
+        # found in the cache is judged again under the current setting (`judge_cached`).
         fields = _key_fields(self, self.budget)
         del fields["min_decoded_fraction"]
         return {"kind": "video", "v": PREPROCESS_VERSION, **fields}

@@ -161,3 +161,37 @@ def test_partial_is_reported_in_the_result_facts():
     whole = media_facts(PreparedMedia(prepared(faststart()), "cd" * 32, "key", False, 0.0, 0.0))
     assert whole.partial is False and whole.decoded_duration_s is None
     assert whole.duration_s == pytest.approx(6.0)
+
+
+def test_a_cached_partial_video_is_judged_again_under_the_current_setting(tmp_path):
+    """The setting is not in the cache key: an entry prepared under a lower one was served where
+    the current setting refuses the video."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmworker_schemas import Job, MediaRef
+
+    from mmworker.cache import DiskFeatureCache
+    from mmworker.config import PreprocessConfig
+    from mmworker.media import MediaStage
+
+    data = mv.truncated(faststart(), 0.9)
+    share = prepare_video(data, VideoParams()).duration_s / 6.0
+    job = Job(job_id="cut", media=[MediaRef(data=data)])
+
+    def prepare(fraction: float) -> Any:
+        cfg = PreprocessConfig(video_min_decoded_fraction=fraction)
+        cache = DiskFeatureCache(tmp_path, max_bytes=64 * 1024 * 1024)
+        pool = ThreadPoolExecutor(2)
+        stage = MediaStage(cfg, cache, cpu_pool=pool, io_pool=pool, writer=pool)
+        try:
+            return asyncio.run(stage.prepare(job))
+        finally:
+            pool.shutdown(wait=True)  # the entry is written
+
+    (first,) = prepare(share - 0.05)
+    assert not first.cache_hit and first.prepared.partial
+    with pytest.raises(UndecodableVideo, match="at least"):
+        prepare(share + 0.05)
+    (again,) = prepare(share - 0.05)
+    assert again.cache_hit  # the entry is kept for the settings it fits

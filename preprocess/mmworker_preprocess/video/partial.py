@@ -7,7 +7,7 @@ decoding by the same test that later weighs what the decoder got through.
 from __future__ import annotations
 
 from mmworker_preprocess.errors import UndecodableVideo
-from mmworker_preprocess.params import VideoParams
+from mmworker_preprocess.params import PreparedVideo, VideoParams
 from mmworker_preprocess.video.timeline import Timeline
 
 #: A video is `partial` when what decodes falls short of its duration by more than this many
@@ -47,3 +47,18 @@ def judge(
             + (f": {why}" if why else "")
         )
     return partial
+
+
+def judge_cached(video: PreparedVideo, params: VideoParams) -> None:
+    """Refuse a partial video from the feature cache as `judge` would under `params`: the
+    setting is not in the cache key (see `VideoParams.cache_key_fields`), so an entry prepared
+    under a lower `min_decoded_fraction` was served where the current one refuses it."""
+    expected = video.full_duration_s
+    if not video.partial or not expected or expected <= 0:
+        return
+    share = max(video.duration_s, 0.0) / expected
+    if share < params.min_decoded_fraction:
+        raise UndecodableVideo(
+            f"truncated video: {max(video.duration_s, 0.0):.2f} s of the {expected:.2f} s "
+            f"decode ({share:.0%}; at least {params.min_decoded_fraction:.0%} must)"
+        )
