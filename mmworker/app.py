@@ -16,6 +16,7 @@ from mmworker.cache import DiskFeatureCache, FeatureCache, NullFeatureCache, pru
 from mmworker.config import WorkerConfig, cache_home
 from mmworker.engine import Engine, frontend, model_info, preload, resolve_model
 from mmworker.engine.shared_core import CoreLink
+from mmworker.errors import ConfigError
 from mmworker.exits import check_interrupted
 from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
@@ -35,10 +36,16 @@ SUMMARY_EVERY_S = 30.0
 def make_cache(cfg: WorkerConfig) -> FeatureCache:
     if not cfg.cache.enabled:
         return NullFeatureCache()
-    return DiskFeatureCache(
-        cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level,
-        part=cfg.cache.part,
-    )  # fmt: skip
+    try:
+        return DiskFeatureCache(
+            cfg.cache.directory, cfg.cache.max_bytes, zstd_level=cfg.cache.zstd_level,
+            part=cfg.cache.part,
+        )  # fmt: skip
+    except OSError as exc:  # a traceback from the middle of start-up said less
+        raise ConfigError(
+            f"cache.directory {str(cfg.cache.directory)!r} cannot be used ({exc.strerror or exc}):"
+            " name a writable directory, or set cache.enabled = false"
+        ) from exc
 
 
 def encoder_store_dir(cfg: WorkerConfig) -> Path | None:

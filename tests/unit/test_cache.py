@@ -532,3 +532,17 @@ def test_prune_lru_files_drops_oldest_first_and_keeps_recent(tmp_path: Path) -> 
     # Over budget, but what is left was used within keep_recent_s: a reader may be about to load it.
     assert prune_lru_files(tmp_path, max_bytes=0, keep_recent_s=500) == 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hot"]
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_one_line_configuration_error(
+    tmp_path: Path,
+) -> None:
+    """It came out as a traceback from the middle of start-up."""
+    from mmworker.app import make_cache
+    from mmworker.config import load_config
+    from mmworker.errors import ConfigError
+
+    (tmp_path / "a-file").write_text("")
+    cfg = load_config(cache={"directory": str(tmp_path / "a-file" / "features")})
+    with pytest.raises(ConfigError, match=r"cannot be used .* cache\.enabled = false"):
+        make_cache(cfg)
