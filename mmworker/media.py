@@ -339,25 +339,31 @@ class MediaStage:
             raise
         return data, sha, time.perf_counter() - t0
 
-    async def kind(self, data: bytes) -> str:
+    async def kind(self, data: bytes, sha: str) -> str:
         """`sniff(data).kind`, with FFmpeg's probe, where needed, in the decoding pool: a blob
         that crashes the probe takes down a pool process, and is then refused, instead of
-        killing the worker (and again at each redelivery: the partition would stop there)."""
+        killing the worker (and again at each redelivery: the partition would stop there).
+        As for decodes (`_decode_once`), media that killed its process alone is probed alone
+        from then on, and a pool that cannot run at all is `PreprocessPoolDead`."""
         found = sniff_signature(data)
         if found is not None:
             return found.kind
-        try:
-            return (await self._decoder.run(sniff, data)).kind
-        except BrokenExecutor:
-            if not self._decoder.rebuildable:
-                raise
-            try:  # a pool process died meanwhile, maybe under another job's media: alone
-                return (await self._decoder.run_alone(sniff, data)).kind
-            except BrokenExecutor as exc:
-                raise UndecodableVideo(
-                    "the video decoder's process died reading this media's container, also "
-                    "alone in a process of its own"
-                ) from exc
+        key = f"probe:{sha}"
+        if key not in self._crashed:
+            try:
+                return (await self._decoder.run(sniff, data)).kind
+            except BrokenExecutor:
+                if not self._decoder.rebuildable:
+                    raise
+        try:  # a pool process died meanwhile, maybe under another job's media: alone
+            return (await self._decoder.run_alone(sniff, data)).kind
+        except BrokenExecutor as exc:
+            died = exc
+        await self._convict(key, died)
+        raise UndecodableVideo(
+            "the video decoder's process died reading this media's container, also alone in a "
+            "process of its own"
+        ) from died
 
     async def decode_segment(
         self, data: bytes, sha: str, params: VideoParams, rule: SegmentRule, start_s: float
@@ -497,15 +503,7 @@ class MediaStage:
             return await self._decoder.run_alone(prepare_media, data, image, video)
         except BrokenExecutor as exc:
             died = exc
-        if not await self._decoder.healthy():
-            raise PreprocessPoolDead(
-                "preprocessing processes die even without media to decode (they cannot start, "
-                f"or are killed at once): {died}"
-            ) from died
-        self._crashed[key] = None
-        self._crashed.move_to_end(key)
-        while len(self._crashed) > MAX_REMEMBERED_CRASHES:
-            self._crashed.popitem(last=False)
+        await self._convict(key, died)
         kind = _signature_kind(data)  # not FFmpeg's probe: this media kills processes
         refused = UndecodableImage if kind == "image" else UndecodableVideo
         log.error(
@@ -516,6 +514,19 @@ class MediaStage:
             "of its own (a crash in the decoder, or memory exhaustion); not retried, as it "
             "would die again"
         ) from died
+
+    async def _convict(self, key: str, died: BrokenExecutor) -> None:
+        """Remember that what `key` names killed its process alone, unless no process lives at
+        all (`PreprocessPoolDead`): its repeats then skip the shared pool."""
+        if not await self._decoder.healthy():
+            raise PreprocessPoolDead(
+                "preprocessing processes die even without media to decode (they cannot start, "
+                f"or are killed at once): {died}"
+            ) from died
+        self._crashed[key] = None
+        self._crashed.move_to_end(key)
+        while len(self._crashed) > MAX_REMEMBERED_CRASHES:
+            self._crashed.popitem(last=False)
 
     def _acquire(
         self, ref: MediaRef, image: ImageParams, video: VideoParams, handle: FetchHandle

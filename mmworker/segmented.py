@@ -161,7 +161,7 @@ async def run_segments(
     generate = spans.timed(generate)
     retrying = _retrying(generate, retried)
     data, sha, fetch_s = await media.fetch(job.media[0])
-    if await media.kind(data) != "video":
+    if await media.kind(data, sha) != "video":
         raise UnsupportedMedia("segments need a video; the media is an image")
     rule = rule_of(spec)
     room = asyncio.Semaphore(SEGMENTS_IN_FLIGHT)

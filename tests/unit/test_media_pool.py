@@ -183,9 +183,14 @@ def test_a_container_that_crashes_ffmpegs_probe_kills_a_pool_process_not_the_wor
     try:
 
         async def scenario() -> None:
-            assert await stage.kind(nut) == "video"  # probed in the pool
+            assert await stage.kind(nut, "nut") == "video"  # probed in the pool
             with pytest.raises(UndecodableVideo, match="died reading this media's container"):
-                await asyncio.wait_for(stage.kind(killer), 180)
+                await asyncio.wait_for(stage.kind(killer, "killer"), 180)
+            assert "probe:killer" in stage._crashed  # its repeats are probed alone
+            rebuilds = pool.rebuilds
+            with pytest.raises(UndecodableVideo):
+                await asyncio.wait_for(stage.kind(killer, "killer"), 180)
+            assert pool.rebuilds == rebuilds  # the shared pool was not broken again
             jobs = [_job("killer", killer), _job("nut", nut), _job("still", sample_image(64, 48))]
             refused, *others = await asyncio.wait_for(_prepare_all(stage, jobs), 180)
             assert isinstance(refused, UndecodableVideo), repr(refused)

@@ -40,7 +40,7 @@ class _Media:
     async def fetch(self, ref: MediaRef) -> tuple[bytes, str, float]:
         return CLIP, hashlib.sha256(CLIP).hexdigest(), 0.0
 
-    async def kind(self, data: bytes) -> str:
+    async def kind(self, data: bytes, sha: str) -> str:
         return sniff(data).kind
 
     async def decode_segment(
