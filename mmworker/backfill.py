@@ -920,7 +920,13 @@ def _pump(
     stale = set(state.posted)
     seen: set[str] = set()
     exhausted = False
-    collector.catch_up(poster.journal, tally)
+    if state.posted:
+        print(
+            f"mmworker backfill: resuming: {len(state.posted)} jobs posted before are "
+            "unanswered; reading the answers that arrived meanwhile",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    collector.catch_up(poster.journal, tally, link)
     while True:
         check_interrupted()  # a signal a library swallowed (it logs its error) still stops it
         stale &= state.posted.keys()
@@ -1208,14 +1214,35 @@ class Collector:
             known = state.positions.get(f"{tp.topic}:{tp.partition}")
             self._consumer.seek(tp, known if known is not None else self._ends[tp])
 
-    def catch_up(self, journal: Journal, tally: Tally) -> None:
-        """Read what arrived while no backfill was running, before anything is re-posted."""
-        # Past the end offsets and one empty poll: the Tansu broker reports the end as its last
-        # batch's first offset + 1, so the end offsets alone can stop short.
-        while self.poll(journal, tally, timeout_ms=500) or any(
-            self._consumer.position(tp) < end for tp, end in self._ends.items()
-        ):
-            pass
+    def catch_up(self, journal: Journal, tally: Tally, link: BrokerLink) -> None:
+        """Read what arrived while no backfill was running, before anything is re-posted.
+
+        Until the end offsets it found at the start, and one empty poll (the Tansu broker
+        reports the end as its last batch's first offset + 1, so the end offsets alone can stop
+        short). Brokers lost meanwhile are said so, as in the run (`link`); and at each empty
+        poll short of the ends, the ends are asked again and the lower kept: brokers that came
+        back empty have lower ones, which it waited for without end."""
+        while True:
+            if self.poll(journal, tally, timeout_ms=500):
+                continue
+            up = self.connected()
+            link.observe(up, "no connection")
+            if up and self._reached_ends():
+                return
+
+    def _reached_ends(self) -> bool:
+        """Every position at its end; if not, the ends are asked again (see `catch_up`)."""
+        from kafka.errors import KafkaError
+
+        positions = {tp: self._consumer.position(tp, timeout_ms=POSITION_MS) for tp in self._ends}
+        if all(p is not None and p >= self._ends[tp] for tp, p in positions.items()):
+            return True
+        try:
+            now = self._consumer.end_offsets(list(self._ends), timeout_ms=POSITION_MS * 5)
+        except KafkaError:
+            return False  # no answer: asked again after the next poll
+        self._ends = {tp: min(end, now.get(tp, end)) for tp, end in self._ends.items()}
+        return all(p is not None and p >= self._ends[tp] for tp, p in positions.items())
 
     def poll(self, journal: Journal, tally: Tally, timeout_ms: int) -> int:
         """Journal the answers that arrived, then the positions after them; returns how many

@@ -10,6 +10,7 @@ operator would), and the backfill re-posts its unanswered jobs once `--grace` ha
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -160,3 +161,64 @@ def test_a_backfill_posts_again_what_an_empty_broker_lost(tmp_path: Path) -> Non
     with EmbeddedBroker() as broker:
         summary = _backfill_through_a_restart(tmp_path, broker, grace_s=3, empty=True)
     assert f"this run: {ROWS + WINDOW} posted ({WINDOW} re-posted)" in summary, summary
+
+
+def _fill(bootstrap: str, topic: str, n: int) -> None:
+    """Records of someone else on the output topic: what a resume reads through first."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=50, batch_size=1 << 20)
+    value = json.dumps({"job_id": "someone-else/x", "text": "x" * 64}).encode()
+    for _ in range(n):
+        producer.send(topic, value)
+    producer.flush(120)
+    producer.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_whose_broker_comes_back_empty_while_it_catches_up_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A resume first reads the answers that arrived while no backfill ran, up to the end
+    offsets it found then. Brokers that came back empty meanwhile never reach those: it waited
+    for them without end, posting nothing. Now it asks for the ends again, goes on, and posts
+    the lost window again (no worker runs here: nothing is answered)."""
+    with EmbeddedBroker() as broker:
+        manifest = _manifest(tmp_path)
+        out = tmp_path / "catch-up.jsonl"
+        topics = make_topics(broker.bootstrap, "catchup")
+        cmd = [sys.executable, "-m", "mmworker", "backfill", str(manifest), "--out", str(out),
+               "--bootstrap-servers", broker.bootstrap, "--key-column", "key",
+               "--window", str(WINDOW), "--grace", "1",
+               "--set", f"kafka.input_topic={topics['input']}",
+               "--set", f"kafka.output_topic={topics['output']}",
+               "--set", f"kafka.dead_letter_topic={topics['dlq']}",
+               "--set", "kafka.enable_idempotence=false"]  # fmt: skip
+        first_log, log = tmp_path / "first.log", tmp_path / "resume.log"
+        with first_log.open("wb") as f:
+            first = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            _wait_for("a window posted", lambda: _posted(out) >= WINDOW, first, first_log, 60)
+        finally:
+            first.send_signal(signal.SIGINT)
+        assert first.wait(30) == 130, first_log.read_text()[-3000:]
+        _fill(broker.bootstrap, topics["output"], 200_000)
+        with log.open("wb") as f:
+            resume = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            _wait_for("catching up", lambda: "resuming: " in log.read_text(), resume, log, 60)
+            resume.send_signal(signal.SIGSTOP)  # in the middle of 200,000 records
+            broker.stop()
+            broker.start()  # the same port, empty: its topics come back, empty
+            kafka = KafkaConfig(
+                bootstrap_servers=broker.bootstrap, input_topic=topics["input"],
+                output_topic=topics["output"], dead_letter_topic=topics["dlq"],
+            )  # fmt: skip
+            ensure_worker_topics(kafka, 3)
+            resume.send_signal(signal.SIGCONT)
+            _wait_for("the window again", lambda: _posted(out) > WINDOW, resume, log, 90)
+        finally:
+            resume.send_signal(signal.SIGCONT)
+            resume.send_signal(signal.SIGINT)
+        assert resume.wait(30) == 130, log.read_text()[-3000:]
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
