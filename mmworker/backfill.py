@@ -33,7 +33,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -99,6 +99,8 @@ class Row:
     fields: dict[str, Any]
 
 
+#: Longest CSV field read: a row's prompt or options, not a file's worth of text.
+MAX_CSV_FIELD = 16 * 1024 * 1024
 #: The first (and last) four bytes of every Parquet file.
 PARQUET_MAGIC = b"PAR1"
 
@@ -239,13 +241,21 @@ def _csv_reader(path: Path, kind: Callable[..., Any]) -> Iterator[Any]:
     spreadsheets write ("CSV UTF-8", whose first column was read as "\ufeffuri"); a file in
     another encoding is the manifest's error (one line), not a traceback mid-run."""
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    # A field may be as long as a row may be (a prompt, options); the default is 128 KiB.
+    csv.field_size_limit(max(csv.field_size_limit(), MAX_CSV_FIELD))
     with path.open(newline="", encoding="utf-8-sig") as f:
+        # strict: a quote left open read the rest of the file into one field, rows silently lost
+        reader = kind(f, delimiter=delimiter, strict=True)
         try:
-            yield kind(f, delimiter=delimiter)
+            yield reader
         except UnicodeDecodeError as exc:
             raise ManifestError(
                 f"manifest {path}: not UTF-8 ({exc.reason} at byte {exc.start} of a read); "
                 "save it as UTF-8"
+            ) from None
+        except csv.Error as exc:
+            raise ManifestError(
+                f"manifest {path}: line {reader.line_num}: {exc} (a quote left open?)"
             ) from None
 
 
@@ -715,6 +725,16 @@ def _write_files(
     return written
 
 
+def with_absolute_media(row: Row, planned: Planned, uri_column: str) -> Row:
+    """The row as a retry manifest holds it: a relative media path made the absolute URI the
+    job used. Relative paths are read from a manifest's own directory, and the retry manifest
+    sits beside the output: its rows pointed at other files, or none."""
+    relative = planned.source and not planned.source.startswith(_URL_PREFIXES)
+    if not relative or planned.job is None or not planned.job.media[0].uri:
+        return row
+    return replace(row, fields={**row.fields, uri_column: planned.job.media[0].uri})
+
+
 def write_rows(path: Path, fmt: str, rows: Iterable[dict[str, Any]]) -> None:
     """Output rows as Parquet or JSONL, with the output's columns in their order."""
     if fmt == "parquet":
@@ -883,7 +903,8 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         collector.close()
         poster.close()
     retry_path = out.with_name(out.stem + ".retry.jsonl")
-    written = write_results(out, fmt, planned_rows(), retry_path)
+    rows = ((with_absolute_media(row, p, cols.uri), p) for row, p in planned_rows())
+    written = write_results(out, fmt, rows, retry_path)
     _summary(name, out, written, tally, time.monotonic() - started)
     return 1 if written.rows - written.outcomes["ok"] else 0
 

@@ -120,6 +120,17 @@ def test_manifest_mistakes_are_one_line_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"uri": "a"}\n{"uri": \n')
     with pytest.raises(ManifestError, match="line 2: not JSON"):
         list(read_manifest(str(tmp_path / "bad.jsonl")))
+    # A quote left open read the rest of the file into one field: three rows, one job.
+    (tmp_path / "open.csv").write_text('uri,key\n"a.jpg,1\nb.jpg,2\nc.jpg,3\n')
+    with pytest.raises(ManifestError, match=r"open\.csv: line .*: unexpected end of data"):
+        count_rows(str(tmp_path / "open.csv"))
+    with pytest.raises(ManifestError, match="a quote left open"):
+        list(read_manifest(str(tmp_path / "open.csv")))
+    # A long prompt is a field, not an error (csv's own limit is 128 KiB).
+    (tmp_path / "long.csv").write_text("uri,prompt\na.jpg," + "x" * 300_000 + "\n")
+    assert count_rows(str(tmp_path / "long.csv")) == 1
+    ((row),) = list(read_manifest(str(tmp_path / "long.csv")))
+    assert len(row.fields["prompt"]) == 300_000
 
 
 def test_manifests_a_user_may_hand_over_are_read_or_refused_in_one_line(tmp_path: Path) -> None:
@@ -510,3 +521,26 @@ def test_an_output_from_before_fingerprints_is_kept_by_job_id(tmp_path: Path) ->
     assert [(r["caption"], r["row_number"]) for r in _table(out)] == [
         (f"t{i}", i) for i in range(3)
     ]
+
+
+def test_a_retry_manifest_beside_the_output_asks_for_the_same_files(tmp_path: Path) -> None:
+    """Relative paths are read from a manifest's own directory; the retry manifest sits beside
+    the output, so its rows pointed at other files (out/img.jpg for data/img.jpg), or none."""
+    from mmworker.backfill import with_absolute_media
+
+    data, results = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    results.mkdir()
+    _, rows = _manifest(data, 2)
+    out, retry = results / "captions.jsonl", results / "captions.retry.jsonl"
+    failed = [_failure(p.job_id).model_copy(update={"metadata": p.job.metadata})  # type: ignore[union-attr]
+              for _, p in rows]  # fmt: skip
+    _journal(out, [output_row(json.loads(f.model_dump_json())) for f in failed])  # type: ignore[misc]
+    written = write_results(out, "jsonl", ((with_absolute_media(r, p, "uri"), p) for r, p in rows),
+                            retry)  # fmt: skip
+    assert written.retry == retry  # both rows failed
+    again = [plan(r, "bf", Columns(key="k"), DEFAULTS, results) for r in read_manifest(str(retry))]
+    first = [p for _, p in rows]
+    assert [p.job.media[0].uri for p in again] == [p.job.media[0].uri for p in first]  # type: ignore[union-attr]
+    assert [p.job.media[0].uri for p in first] == [(data / f"{i}.jpg").as_uri() for i in range(2)]  # type: ignore[union-attr]
+    assert [p.job_id for p in again] == [p.job_id for p in first]
