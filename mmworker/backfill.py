@@ -715,14 +715,31 @@ def _write_files(
     write_rows(tmp, fmt, ordered())
     failed = written.rows - written.outcomes["ok"]
     if failed:
-        os.replace(retry_tmp, retry_path)
+        replace_durably(retry_tmp, retry_path)
         written.retry = retry_path
     else:
         retry_tmp.unlink()
         with contextlib.suppress(FileNotFoundError):
             retry_path.unlink()
-    os.replace(tmp, out)
+    replace_durably(tmp, out)
     return written
+
+
+def replace_durably(tmp: Path, dest: Path) -> None:
+    """`os.replace`, with the new file's bytes, then the rename, on disk first. The journal
+    that could redo the output is dropped right after: a reboot then (the file system not yet
+    flushed) left an empty or cut output, and nothing to write it again from."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def with_absolute_media(row: Row, planned: Planned, uri_column: str) -> Row:

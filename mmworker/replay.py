@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -377,7 +376,7 @@ def update_backfill_output(
     """Rewrite the output with the replays' answers in their rows (same order, same row, row
     number, source and metadata columns), atomically, and drop the rows that are ok now from
     the retry manifest, which lists the failed rows in the same order."""
-    from mmworker.backfill import read_output, write_rows, written_format
+    from mmworker.backfill import read_output, replace_durably, write_rows, written_format
 
     fmt = written_format(out)
     retry = out.with_name(out.stem + ".retry.jsonl")
@@ -412,10 +411,10 @@ def update_backfill_output(
             if kept:
                 retry_tmp = retry.with_name(f".{retry.name}.tmp")
                 retry_tmp.write_text("".join(kept), encoding="utf-8")
-                os.replace(retry_tmp, retry)
+                replace_durably(retry_tmp, retry)
             else:
                 retry.unlink()
-        os.replace(tmp, out)
+        replace_durably(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     note = "" if keep_retry else f"; {retry.name} left as it was (it does not match the output)"

@@ -307,6 +307,8 @@ def _say(command: str, message: str) -> None:
 
 
 def _line(record: Any, raw: bool) -> str:
+    if record.value is None:  # a tombstone (a suspect cleared): json.loads(None) stopped tail
+        return f"[{record.topic}] no value (key {record.key!r})"
     try:
         doc = json.loads(record.value)
     except (json.JSONDecodeError, UnicodeDecodeError):

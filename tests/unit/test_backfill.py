@@ -544,3 +544,38 @@ def test_a_retry_manifest_beside_the_output_asks_for_the_same_files(tmp_path: Pa
     assert [p.job.media[0].uri for p in again] == [p.job.media[0].uri for p in first]  # type: ignore[union-attr]
     assert [p.job.media[0].uri for p in first] == [(data / f"{i}.jpg").as_uri() for i in range(2)]  # type: ignore[union-attr]
     assert [p.job_id for p in again] == [p.job_id for p in first]
+
+
+def test_the_output_is_on_disk_before_the_journal_that_could_redo_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing was flushed: a reboot right after the final pass left an empty or cut output,
+    and the journal was already gone."""
+    _, rows = _manifest(tmp_path, 2)
+    out, retry = tmp_path / "out.jsonl", tmp_path / "out.retry.jsonl"
+    _journal(out, [_answer(p, "a caption") for _, p in rows])
+    steps: list[str] = []
+    real_fsync, real_replace, real_unlink = os.fsync, os.replace, Path.unlink
+
+    def fsync(fd: int) -> None:
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        steps.append(f"fsync {target.name if target.is_file() else 'directory'}")
+        real_fsync(fd)
+
+    def replace(src: Path, dst: Path) -> None:
+        steps.append(f"rename {Path(src).name} -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self == journal_path(out):
+            steps.append("drop the journal")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    write_results(out, "jsonl", rows, retry)
+    assert steps == [
+        "fsync .out.jsonl.tmp", "rename .out.jsonl.tmp -> out.jsonl", "fsync directory",
+        "drop the journal",
+    ]  # fmt: skip

@@ -504,6 +504,14 @@ def test_tail_names_a_record_by_the_source_submit_recorded() -> None:
     assert summarise("dlq", {"code": "invalid_json", "message": "m"}, b"k") == (
         "[dlq] FAILED k: invalid_json: m"
     )
+    # A record with no value (a tombstone): json.loads(None) stopped tail with a traceback.
+    from types import SimpleNamespace
+
+    from mmworker.tools import _line
+
+    tombstone = SimpleNamespace(topic="suspects", key=b"in/0/7", value=None)
+    assert _line(tombstone, raw=False) == "[suspects] no value (key b'in/0/7')"
+    assert _line(tombstone, raw=True) == "[suspects] no value (key b'in/0/7')"
 
 
 def test_submit_and_tail_connect_with_the_workers_tls_and_sasl_settings(
