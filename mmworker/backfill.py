@@ -617,6 +617,26 @@ def written_format(out: Path) -> str:
 
 
 def read_output(out: Path) -> Iterator[dict[str, Any]]:
+    """The rows of an earlier output. A file that is none (`--out` naming the manifest, another
+    tool's JSONL, a directory, a damaged Parquet file) is a one-line error: it raised KeyError or
+    pyarrow's error mid-run, and the file would be overwritten at the end."""
+    n = 0
+    try:
+        for n, row in enumerate(_output_rows(out), 1):
+            if not isinstance(row, dict) or not isinstance(row.get("job_id"), str):
+                raise ConfigError(
+                    f"--out {out}: row {n} is not a row of a backfill's output (no job_id): "
+                    "name another file (this one is rewritten at the end)"
+                )
+            yield row
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, pyarrow's ArrowInvalid
+        raise ConfigError(
+            f"--out {out}: not a backfill's output ({type(exc).__name__}: {exc} near row "
+            f"{n + 1}): name another file (this one is rewritten at the end)"
+        ) from None
+
+
+def _output_rows(out: Path) -> Iterator[Any]:
     if written_format(out) == "parquet":
         import pyarrow.parquet as pq
 

@@ -777,9 +777,15 @@ def _main(argv: list[str] | None) -> int:
         # ours may wrap that) is the signal: first, so no one-line error stands for it.
         interrupted = signal_behind(exc)
         if interrupted is None:
-            if not isinstance(exc, ValidationError | WorkerError | BrokenPipeError):
-                raise
-            return _failed(exc, args)
+            if isinstance(exc, ValidationError | WorkerError | BrokenPipeError):
+                return _failed(exc, args)
+            if args.fn in (cmd_submit, cmd_backfill, cmd_replay) and isinstance(exc, Exception):
+                # Python's own exit for it is 1, which these commands give for "some rows or
+                # sources failed": a script would go on to the retry manifest of a run that
+                # never finished.
+                traceback.print_exc()
+                return ExitCode.INTERNAL
+            raise
         if args.fn in (cmd_submit, cmd_backfill, cmd_replay):
             # Stopped before their own handler: 130 all the same, as a shell's `&&` must see a
             # posting command that did not finish (their documented code).

@@ -579,3 +579,21 @@ def test_the_output_is_on_disk_before_the_journal_that_could_redo_it_goes(
         "fsync .out.jsonl.tmp", "rename .out.jsonl.tmp -> out.jsonl", "fsync directory",
         "drop the journal",
     ]  # fmt: skip
+
+
+def test_an_out_that_is_not_a_backfills_output_is_a_one_line_error(tmp_path: Path) -> None:
+    """--out naming the manifest, another tool's JSONL or a directory raised KeyError or
+    IsADirectoryError mid-run (exit 1, which says "some rows failed")."""
+    manifest, _ = _manifest(tmp_path, 2)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": 1}\n')
+    (tmp_path / "dir.jsonl").mkdir()
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    from mmworker.errors import ConfigError
+
+    cases = [(manifest, "row 1 is not a row"), (other, "row 1 is not a row"),
+             (tmp_path / "dir.jsonl", "IsADirectoryError"), (broken, "near row 1")]  # fmt: skip
+    for out, why in cases:
+        with pytest.raises(ConfigError, match=why):
+            load_state(out)

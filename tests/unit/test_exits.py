@@ -153,6 +153,32 @@ def test_status_watch_ends_at_a_ctrl_c_that_came_out_as_a_broker_error() -> None
     assert (done.returncode, done.stdout.splitlines()) == (0, ["ended by SIGINT"]), done.stderr
 
 
+_BUG = """
+import sys
+import mmworker.cli as cli
+
+def broken(args):
+    raise KeyError("job_id")
+
+setattr(cli, "cmd_" + sys.argv[1], broken)
+print("exit", cli.main(sys.argv[1:]), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [["backfill", "m.jsonl", "--out", "o.jsonl"], ["submit", "a.png"], ["replay"]]
+)
+def test_a_bug_in_a_posting_command_is_exit_5_not_1(command: list[str]) -> None:
+    """Python's own exit for an unexpected error is 1, which these commands give for "some rows
+    or sources failed": a script took the retry manifest of a run that never finished."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BUG, *command], capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == [f"exit {ExitCode.INTERNAL}"], done.stderr[-2000:]
+    assert "KeyError: 'job_id'" in done.stderr  # the traceback, for the bug report
+
+
 def test_exit_codes_are_defined_once() -> None:
     """Orchestrators and the README read the codes: a second constant for one of them could
     drift from `ExitCode` unseen."""
