@@ -65,9 +65,10 @@ class Verdict:
 def after_death(
     state: Degrade, now: float, inside: frozenset[str], limits: LimitsConfig, requests: int = 0
 ) -> Verdict:
-    """What a death changes. Repeats of the same job are the suspects' business (they run alone
-    and are condemned at `limits.max_engine_deaths`); a death with other jobs inside than the
-    last one's, within the window, is load: a quarter of what was inside.
+    """What a death changes. Repeats of the same job, and a job dying alone, are the suspects'
+    business (they run alone and are condemned at `limits.max_engine_deaths`); a death with
+    other jobs inside than the last one's, several, within the window, is load: a quarter of
+    what was inside.
 
     `requests`: engine requests inside at the death, what the cap counts (the gate admits
     requests). A segmented job has several (a segment each); quartering the number of jobs
@@ -82,7 +83,11 @@ def after_death(
         return Verdict(replace(state, deaths=deaths), True, why)
     cap = state.cap
     why = "first death in the window" if len(deaths) == 1 else "the same jobs inside again"
-    if len(deaths) > 1 and not (inside & state.last_inside):
+    if len(inside) <= 1:
+        # One job alone (a suspect's turn): its own doing, not load. Two suspects that die in
+        # turn are different jobs, and capping on that held the engine to one request.
+        why = "one job inside: the suspects' business, not load"
+    elif len(deaths) > 1 and not (inside & state.last_inside):
         seen = requests or len(inside) or (cap or 4)
         cap = max(1, min(cap or seen, seen) // 4)
         why = f"another death with other jobs inside ({len(inside)}): at most {cap} inside"

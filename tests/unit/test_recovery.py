@@ -64,8 +64,18 @@ def test_the_cap_quarters_the_requests_inside_not_the_jobs() -> None:
 
 def test_the_same_job_inside_again_is_the_suspects_business_not_load() -> None:
     first = after_death(Degrade(), 0.0, jobs("killer", "a", "b"), LIMITS).state
-    second = after_death(first, 5.0, jobs("killer"), LIMITS)
+    second = after_death(first, 5.0, jobs("killer", "c"), LIMITS)
     assert second.state.cap is None and "same jobs" in second.why
+
+
+def test_two_suspects_that_die_alone_in_turn_are_not_load() -> None:
+    """Two killers in one batch: each then dies alone, and the second's death has other jobs
+    inside than the first's; taken for load, it held the engine to one request for minutes."""
+    batch = jobs("k1", "k2", *(f"j{i}" for i in range(100)))
+    state = after_death(Degrade(), 0.0, batch, LIMITS, requests=102).state
+    state = after_death(state, 20.0, jobs("k1"), LIMITS, requests=1).state
+    last = after_death(state, 40.0, jobs("k2"), LIMITS, requests=1)
+    assert last.state.cap is None and "not load" in last.why
 
 
 def test_deaths_beyond_the_budget_in_the_window_give_up_and_old_ones_expire() -> None:
