@@ -26,6 +26,7 @@ commit: "main" moving during a start-up would otherwise split them).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 #: The file vLLM's connector reads for an mm hash: `<dir>/<mm_hash>/encoder_cache.safetensors`.
 FILE_NAME = "encoder_cache.safetensors"
+#: Largest safetensors header read when checking an entry (ours hold one tensor: ~100 bytes).
+MAX_HEADER = 1 << 20
 #: Where a connector that could not identify its model points: never written, so a load there
 #: fails loudly instead of finding another model's entries.
 UNIDENTIFIED = "unidentified"
@@ -123,14 +126,26 @@ class DiskEncoderStore(ECExampleConnector):
         super().shutdown()
 
     def has_cache_item(self, identifier: str) -> bool:
+        """Whether the entry can be loaded. vLLM loads it inside the engine core, where an
+        error kills the core: an entry cut short (a host crash after the rename, before the
+        bytes reached the disk) killed it for every job of that media, on every worker sharing
+        the store, and those jobs were dead-lettered as engine_crash. So an entry counts only
+        when its header and length agree; one that does not is removed and computed again."""
         if self.identity is None:
             return False
         path = os.path.join(self._storage_path, identifier, FILE_NAME)
         try:
             os.utime(path)  # a use: pruning keeps recently used entries
-        except FileNotFoundError:
+            if entry_complete(path):
+                return True
+        except OSError as exc:  # gone (pruned), or not ours to touch: computed again
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("encoder store: cannot use %s: %s", path, exc)
             return False
-        return True
+        log.warning("encoder store: %s is cut short: removed, computed again", path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
 
     def _refresh_label(self) -> None:
         """Keep identity.json as recent as the last write next to it, and put it back if
@@ -221,3 +236,19 @@ class BackgroundWriter:
         self._thread.join(timeout_s)
         if self.dropped:
             log.warning("encoder store: %d outputs not kept (writer behind)", self.dropped)
+
+
+def entry_complete(path: str) -> bool:
+    """Whether a safetensors file is as long as its header says: its first 8 bytes give the
+    header's length, and the header each tensor's end offset in the data after it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or not 0 < n <= min(MAX_HEADER, size - 8):
+            return False
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return False
+    return bool(ends) and size >= 8 + n + max(ends)

@@ -51,3 +51,35 @@ def test_a_writer_behind_drops_outputs_past_its_bound(
     writer.close()
     assert writer.dropped == 6
     assert len(written) == 4
+
+
+def test_an_entry_cut_short_or_out_of_reach_is_computed_again_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM loads an entry inside the engine core, where its error kills the core: an entry
+    left empty or cut by a host crash killed it for every job of that media, on every worker
+    sharing the store (dead-lettered as engine_crash); a utime refused likewise."""
+    import os
+    from types import SimpleNamespace
+
+    from mmworker.engine.encoder_store import FILE_NAME, DiskEncoderStore
+
+    store = SimpleNamespace(identity="id", _storage_path=str(tmp_path))
+    whole = tmp_path / "whole" / FILE_NAME
+    whole.parent.mkdir()
+    _save(str(whole), torch.ones(64, 32))
+    data = whole.read_bytes()
+    for name, content in [("empty", b""), ("cut", data[:-100]), ("header-only", data[:20])]:
+        entry = tmp_path / name / FILE_NAME
+        entry.parent.mkdir()
+        entry.write_bytes(content)
+        assert DiskEncoderStore.has_cache_item(store, name) is False, name  # type: ignore[arg-type]
+        assert not entry.exists(), name  # removed: the next use computes and stores it again
+    assert DiskEncoderStore.has_cache_item(store, "whole") is True  # type: ignore[arg-type]
+    assert DiskEncoderStore.has_cache_item(store, "never-stored") is False  # type: ignore[arg-type]
+
+    def refused(path: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "utime", refused)
+    assert DiskEncoderStore.has_cache_item(store, "whole") is False  # type: ignore[arg-type]
