@@ -323,6 +323,12 @@ class JobRunner:
             self._gate.alone(suspect_key(ctx.source)) if isolated else self._gate.shared(background)
         )
         async with gate:
+            if not self._engine.alive():
+                # Dead before this request: those inside it, if any, are the suspects; this one,
+                # sent to a core already dead, was counted with them.
+                death = EngineFatal("the engine core had died", epoch=self._engine.epoch)
+                self._saw_death(death)
+                raise death
             self._in_engine[request_id] = ctx.source
             call = asyncio.ensure_future(self._engine.generate(
                 request_id, instruction, items, job.generation,

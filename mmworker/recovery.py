@@ -111,6 +111,7 @@ class Restartable(Protocol):
     epoch: int
 
     def restart(self) -> float: ...
+    def alive(self) -> bool: ...
 
 
 class Inside(Protocol):
@@ -223,10 +224,13 @@ class EngineRecovery:
         return True
 
     async def calm_forever(self) -> None:
-        """Raise a lowered cap one step per calm interval (`after_calm`)."""
+        """Raise a lowered cap one step per calm interval (`after_calm`), and replace a core
+        that died with no request inside (`replace_idle_death`)."""
         while True:
             await asyncio.sleep(CALM_CHECK_EVERY_S)
             if self._restart is not None:
+                continue
+            if await self.replace_idle_death():
                 continue
             before = self.state.cap
             self.state = after_calm(self.state, self._clock(), self._limits)
@@ -238,3 +242,18 @@ class EngineRecovery:
                     self._limits.engine_recover_after_s,
                     f"at most {self.state.cap}" if self.state.cap else "no longer capped",
                 )  # fmt: skip
+
+    async def replace_idle_death(self) -> bool:
+        """A core that died with no request inside: replaced now. Recovery began only when a
+        job met the dead core, so on a quiet topic /livez failed meanwhile and the orchestrator
+        restarted the whole worker (the model load this module avoids). True if it began."""
+        if self._gave_up or self._engine.alive() or self._runner.inside():
+            return False
+        log.error("the engine core died with no request inside: replacing it")
+        death = EngineFatal("the engine core died while idle", epoch=self._engine.epoch)
+        await self.recover(death, _no_suspects)
+        return True
+
+
+async def _no_suspects() -> None:
+    """Nobody was inside the core that died idle."""

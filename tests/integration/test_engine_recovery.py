@@ -143,3 +143,40 @@ def test_a_sigkilled_engine_core_is_replaced_in_process_and_nothing_is_lost(
     finally:
         worker.__exit__(None, None, None)
         collector.close()
+
+
+def test_an_engine_core_killed_while_idle_is_replaced_before_any_job_meets_it(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """Recovery began only when a job met the dead core: on a quiet topic /livez failed
+    meanwhile (the orchestrator restarts the whole worker), and the first job to come was
+    recorded as the suspect of a death it never saw."""
+    topics = make_topics(broker.bootstrap, "idle")
+    group = f"idle-{uuid.uuid4().hex[:6]}"
+    collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
+    worker = WorkerProcess(broker.bootstrap, tmp_path, topics, group)
+    try:
+        worker.__enter__()
+        warm = _jobs("warm", seeded=False)[:2]
+        _answer_all(collector, warm, worker, broker.bootstrap, topics["input"], 300)
+        assert worker.proc is not None
+        (core,) = [p for p in psutil.Process(worker.proc.pid).children(recursive=True)
+                   if is_engine_core(p)]  # fmt: skip
+        core.kill()  # nothing inside it
+        deadline = time.monotonic() + 120
+        while "engine restarted in" not in worker.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, worker.log()
+            assert worker.proc.poll() is None, worker.log()
+            time.sleep(0.5)
+        after = _jobs("after", seeded=False)[:4]
+        _answer_all(collector, after, worker, broker.bootstrap, topics["input"], 300)
+        log = worker.log_path.read_text(errors="replace")
+        assert "died with no request inside: replacing it" in log, log[-6000:]
+        assert "recording them as suspects" not in log, log[-6000:]  # nobody was blamed
+        assert "running it alone" not in log, log[-6000:]
+        for job_id, _ in after:
+            (topic, _doc), *_ = collector.by_job[job_id]
+            assert topic == topics["output"], (job_id, _doc)
+    finally:
+        worker.__exit__(None, None, None)
+        collector.close()

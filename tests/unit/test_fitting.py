@@ -291,6 +291,11 @@ class _TextOnlyEngine:
     """Counts prompt text like the real engine's interface (one token a word, plus a fixed chat
     template and one placeholder an item) and answers without a model."""
 
+    epoch = 0
+
+    def alive(self) -> bool:
+        return True
+
     TEMPLATE = 20
 
     def __init__(self) -> None:

@@ -40,6 +40,11 @@ class _Engine:
     """A live job's generation lasts until the test sets the event it left in `live`; a
     backfill one takes `backfill_s`."""
 
+    epoch = 0
+
+    def alive(self) -> bool:
+        return True
+
     def __init__(self, backfill_s: float) -> None:
         self.backfill_s = backfill_s
         self.live: list[asyncio.Event] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from mmworker_schemas import SourceCoords
 
 from mmworker.config import LimitsConfig
@@ -109,12 +110,17 @@ class Engine:
         self.epoch = 0
         self.restarts = 0
         self._fail = fail
+        self.dead = False
+
+    def alive(self) -> bool:
+        return not self.dead
 
     def restart(self) -> float:
         if self._fail:
             raise RuntimeError("no memory for a new core")
         self.restarts += 1
         self.epoch += 1
+        self.dead = False
         return 0.01
 
 
@@ -156,6 +162,40 @@ class Report:
 
     def engine_state(self, state: str, cap: int | None) -> None:
         self.states.append((state, cap))
+
+
+def test_a_core_that_died_with_nobody_inside_is_replaced_without_waiting_for_a_job() -> None:
+    engine, runner, report = Engine(), Runner(jobs()), Report()
+    recovery = EngineRecovery(LIMITS, engine, runner, report)
+    assert not asyncio.run(recovery.replace_idle_death())  # alive: nothing to do
+    engine.dead = True
+    assert asyncio.run(recovery.replace_idle_death())
+    assert engine.restarts == 1 and engine.alive() and report.restarts == 1
+    assert recovery.state.cap is None and runner.log == ["down", "up"]
+    assert not asyncio.run(recovery.replace_idle_death())
+
+
+def test_a_request_sent_to_a_core_already_dead_is_no_suspect() -> None:
+    """The first job to meet a core that had died idle was recorded as its suspect."""
+    from mmworker_schemas import Job, MediaRef
+
+    from mmworker.jobs import JobRunner
+    from mmworker.records import Context
+    from tests.unit.loopkit import config
+
+    class Dead:
+        epoch = 3
+
+        def alive(self) -> bool:
+            return False
+
+    runner = JobRunner(config(), engine=Dead(), media=None, metrics=Metrics())  # type: ignore[arg-type]
+    ctx = Context(SourceCoords(topic="in", partition=0, offset=1), None, "w", "tiny", None)
+    job = Job(job_id="newcomer", media=[MediaRef(data=b"x")])
+    with pytest.raises(EngineFatal) as death:
+        asyncio.run(runner._generate(job, ctx, "describe", [], None, False, False))
+    assert death.value.epoch == 3
+    assert runner.dead_with == [] and runner.dead_inside() == frozenset()
 
 
 def test_every_job_that_saw_one_death_waits_for_one_restart_after_the_suspects_are_written() -> (

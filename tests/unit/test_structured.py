@@ -371,6 +371,11 @@ def test_schema_depth_counts_objects_and_lists() -> None:
 class _GuidedEngine:
     """Answers with a scripted text; records what it was asked."""
 
+    epoch = 0
+
+    def alive(self) -> bool:
+        return True
+
     def __init__(self, tokenizer: tuple[Any, int], text: str, finish: str = "stop") -> None:
         self._tokenizer = tokenizer
         self._text = text
