@@ -28,6 +28,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -337,7 +338,9 @@ def plan(row: Row, name: str, cols: Columns, defaults: Defaults, base: Path) -> 
     the ids and URIs do not depend on where the command was started."""
     fields = row.fields
     raw_key = fields.get(cols.key) if cols.key else None
-    given_key = None if raw_key in (None, "") else str(raw_key)
+    # NaN: a gap in a float column written by pandas; as a key ("nan") every such row was one
+    missing = raw_key in (None, "") or (isinstance(raw_key, float) and math.isnan(raw_key))
+    given_key = None if missing else str(raw_key)
     key = given_key if given_key is not None else str(row.index)
     uri_value = fields.get(cols.uri)
     source = "" if uri_value is None else str(uri_value)

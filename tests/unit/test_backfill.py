@@ -196,6 +196,11 @@ def test_job_ids_are_deterministic_and_follow_the_row() -> None:
     fallback = plan(Row(4, {"uri": "a.jpg"}), "bf", keyed, DEFAULTS, Path("/m"))
     assert fallback.key == "4"
     assert fallback.job_id == _id(Row(9, {"uri": "a.jpg", "k": ""}), keyed)
+    # A gap in a float key column (pandas writes NaN) is no key either: as "nan", every such
+    # row was one job, and all but the first were dropped as its duplicates.
+    gaps = [plan(Row(i, {"uri": f"{i}.jpg", "k": float("nan")}), "bf", keyed, DEFAULTS,
+                 Path("/m")) for i in range(2)]  # fmt: skip
+    assert [p.key for p in gaps] == ["0", "1"] and gaps[0].job_id != gaps[1].job_id
 
 
 def test_rows_that_cannot_be_jobs_become_typed_failures(tmp_path: Path) -> None:
