@@ -100,6 +100,8 @@ class Row:
     fields: dict[str, Any]
 
 
+#: Bytes a posted job's record takes beyond its JSON: key, headers, batch framing.
+RECORD_OVERHEAD = 1024
 #: Longest CSV field read: a row's prompt or options, not a file's worth of text.
 MAX_CSV_FIELD = 16 * 1024 * 1024
 #: The first (and last) four bytes of every Parquet file.
@@ -333,9 +335,14 @@ def job_id_for(name: str, key: str | None, identity: dict[str, Any]) -> str:
     return f"{name}/{_digest(identity)[:32]}"
 
 
-def plan(row: Row, name: str, cols: Columns, defaults: Defaults, base: Path) -> Planned:
+def plan(
+    row: Row, name: str, cols: Columns, defaults: Defaults, base: Path,
+    max_bytes: int | None = None,
+) -> Planned:  # fmt: skip
     """The job for one row. Relative paths are read from `base` (the manifest's directory), so
-    the ids and URIs do not depend on where the command was started."""
+    the ids and URIs do not depend on where the command was started. `max_bytes`: the most a
+    posted job may take (the producer's `kafka.max_request_size`); a job over it is the row's
+    failure, not a refusal that stopped the whole backfill, and again at every re-run."""
     fields = row.fields
     raw_key = fields.get(cols.key) if cols.key else None
     # NaN: a gap in a float column written by pandas; as a key ("nan") every such row was one
@@ -373,6 +380,14 @@ def plan(row: Row, name: str, cols: Columns, defaults: Defaults, base: Path) -> 
             for e in exc.errors(include_url=False)[:5]
         )
         return Planned(job_id, key, row.index, source, metadata, problem=problems)
+    if max_bytes is not None:
+        size = len(job.model_dump_json(exclude_defaults=True).encode()) + RECORD_OVERHEAD
+        if size > max_bytes:
+            problem = (
+                f"the job is {size} bytes with its record's overhead, over "
+                f"kafka.max_request_size ({max_bytes}): shorten its options or prompt"
+            )
+            return Planned(job_id, key, row.index, source, metadata, problem=problem)
     return Planned(job_id, key, row.index, source, metadata, job, fingerprint=fingerprint)
 
 
@@ -921,7 +936,7 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
 
     def planned_rows() -> Iterator[tuple[Row, Planned]]:
         for row in read_manifest(spec):
-            yield row, plan(row, name, cols, defaults, base)
+            yield row, plan(row, name, cols, defaults, base, cfg.kafka.max_request_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     state = load_state(out)

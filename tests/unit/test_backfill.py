@@ -602,3 +602,16 @@ def test_an_out_that_is_not_a_backfills_output_is_a_one_line_error(tmp_path: Pat
     for out, why in cases:
         with pytest.raises(ConfigError, match=why):
             load_state(out)
+
+
+def test_a_job_over_the_producers_request_size_is_its_rows_failure(tmp_path: Path) -> None:
+    """The producer refused it (MessageSizeTooLargeError), which stopped the whole backfill as
+    "cannot post to topic", and again at every re-run, on the same row."""
+    cols = Columns(uri="uri", prompt="prompt")
+    big = Row(0, {"uri": "a.jpg", "prompt": "x" * 5000})
+    small = Row(1, {"uri": "b.jpg", "prompt": "what?"})
+    refused = plan(big, "bf", cols, DEFAULTS, tmp_path, max_bytes=4096)
+    assert refused.job is None and refused.problem is not None
+    assert "over kafka.max_request_size (4096)" in refused.problem
+    assert plan(small, "bf", cols, DEFAULTS, tmp_path, max_bytes=4096).job is not None
+    assert plan(big, "bf", cols, DEFAULTS, tmp_path).job is not None  # no limit given
