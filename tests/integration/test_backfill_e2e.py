@@ -125,6 +125,15 @@ def _manifest(lab: Lab, n: int) -> tuple[list[dict[str, Any]], dict[str, tuple[s
     return rows, expected
 
 
+def _as_retried(row: dict[str, Any], column: str, base: Path) -> dict[str, Any]:
+    """A failed row of a job as the retry manifest holds it: its relative media path made the
+    absolute URI the job used (the retry manifest sits beside the output, not the manifest)."""
+    value = row.get(column)
+    if not value or "://" in value:
+        return row
+    return {**row, column: (base / value).resolve().as_uri()}
+
+
 def _answers_in(out: Path) -> int:
     try:
         return journal_path(out).read_bytes().count(b'"t":"answer"')
@@ -243,7 +252,7 @@ def test_backfill_survives_two_sigkills(
     failed = {k for k, (outcome, _) in expected.items() if outcome == "failed"}
     retry = [json.loads(x) for x in out.with_name(f"{name}.retry.jsonl").read_text().splitlines()]
     assert [r["key"] for r in retry] == sorted(failed)  # in manifest order, original columns
-    assert retry[0] == rows[7]
+    assert retry[0] == _as_retried(rows[7], "uri", lab.workdir)
 
     # Duplicates: the re-posted jobs were answered twice (and dropped from the output), each job
     # at most once per run that posted it, and in all no more than a window per restart.
@@ -456,7 +465,7 @@ def test_a_rerun_with_other_options_gives_one_row_per_manifest_row(
     if keyed:
         assert [r["row"] for r in got] == [r["key"] for r in rows]
     retry = _rows_of(out.with_name(f"{name}-out.retry.jsonl"))
-    assert retry == [rows[6]]
+    assert retry == [_as_retried(rows[6], "path", lab.workdir)]
     summary = right.stderr[right.stderr.rindex(f"backfill {name}:") :]
     assert "8 rows in" in summary and "7 ok, 1 failed (fetch_failed 1)" in summary, summary
     assert "retry manifest of the 1 failed rows" in summary, summary
@@ -507,7 +516,7 @@ def test_replay_with_backfill_out_updates_the_output_in_place(
     assert [r["outcome"] for r in before] == ["ok", "failed", "ok"]
     assert before[1]["code"] == "fetch_failed"
     retry = out.with_name("replayed-out.retry.jsonl")
-    assert _rows_of(retry) == [rows[1]]
+    assert _rows_of(retry) == [_as_retried(rows[1], "uri", lab.workdir)]
 
     late.write_bytes((lab.workdir / "media" / "img1.jpg").read_bytes())  # the cause goes away
     cmd = [sys.executable, "-m", "mmworker", "replay", "--bootstrap-servers", lab.bootstrap,
