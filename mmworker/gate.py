@@ -77,6 +77,20 @@ class WaitClock:
             self._inside -= 1
             self._settle()
 
+    def credit(self, seconds: float) -> None:
+        """Give back engine time that a preemption threw away: a backfill job preempted by
+        live jobs again and again (each aborted generation starts over) ran out its limit on
+        work thrown away, and was dead-lettered as job_timeout; preemption does not count."""
+        if self._closed or seconds <= 0:
+            return
+        self.waited_s += seconds  # its job deadline moves by as much
+        if self._stopped_at is not None:
+            self._when += seconds
+            return
+        when = self._limit.when()
+        if when is not None and not self._limit.expired():
+            self._limit.reschedule(when + seconds)
+
     def _settle(self) -> None:
         if self._closed:
             return

@@ -200,7 +200,11 @@ class JobRunner:
                 seconds = limits.job_deadline_s if what == "job" else limits.job_timeout_s
                 waited = clock.waited_s if clock is not None else 0.0
                 waited += gated if what == "job" else 0.0
-                note = f"; {waited:.1f}s at the engine gate not counted" if waited > 0.05 else ""
+                note = (
+                    f"; {waited:.1f}s at the engine gate or preempted not counted"
+                    if waited > 0.05
+                    else ""
+                )
                 error: Exception = JobTimeout(
                     f"{what} exceeded {seconds}s (attempt {attempts}{note})"
                 )
@@ -330,6 +334,7 @@ class JobRunner:
                 self._saw_death(death)
                 raise death
             self._in_engine[request_id] = ctx.source
+            entered = asyncio.get_running_loop().time()
             call = asyncio.ensure_future(self._engine.generate(
                 request_id, instruction, items, job.generation,
                 guide=checked.guide if checked else None, background=background,
@@ -342,6 +347,9 @@ class JobRunner:
                 task = asyncio.current_task()
                 if self._gate.untrack(call) and not (task and task.cancelling()):
                     self._metrics.preempted.inc()
+                    clock = WAIT_CLOCK.get()
+                    if clock is not None:  # thrown away: it counts in no limit
+                        clock.credit(asyncio.get_running_loop().time() - entered)
                     return None
                 raise
             except EngineFatal as death:

@@ -200,3 +200,32 @@ def test_a_request_leaving_the_gate_after_its_attempt_ended_changes_nothing() ->
         return task.exception() if not task.cancelled() else None
 
     assert asyncio.run(scenario()) is None
+
+
+def test_engine_time_a_preemption_threw_away_does_not_count_against_the_attempt() -> None:
+    """A backfill job preempted by live jobs again and again (each aborted generation starts
+    over) ran out its attempt's limit on work that was thrown away, three attempts in a row,
+    and was dead-lettered as job_timeout; preemption is documented not to count."""
+    cfg = config(job_timeout_s=0.8, job_deadline_s=1.2, max_attempts=3, retry_backoff_s=0.01,
+                 backfill_beside_live=0, live_idle_s=0.0)  # fmt: skip
+    cfg = cfg.model_copy(
+        update={"kafka": cfg.kafka.model_copy(update={"backfill_topic": BACKFILL})}
+    )
+    metrics = Metrics()
+
+    async def run() -> Result | Failure:
+        engine = _Engine(backfill_s=0.5)
+        runner = JobRunner(cfg, engine=engine, media=_Stage(), metrics=metrics)  # type: ignore[arg-type]
+        backfill = asyncio.create_task(runner.run(_raw("bf"), _ctx(BACKFILL), 0))
+        for i in range(6):  # a live job every 0.35 s: each preempts the backfill's generation
+            await asyncio.sleep(0.35)
+            live = asyncio.create_task(runner.run(_raw(f"live-{i}"), _ctx(LIVE), 0))
+            while len(engine.live) <= i:
+                await asyncio.sleep(0.005)
+            engine.live[i].set()
+            assert isinstance((await live).record, Result)
+        return (await asyncio.wait_for(backfill, 30)).record
+
+    backfill = asyncio.run(run())
+    assert isinstance(backfill, Result), backfill
+    assert metrics.preempted._value.get() >= 5  # about 2 s of generation thrown away
