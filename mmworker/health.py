@@ -163,9 +163,29 @@ class Processes:
         return self._ask_all("/startupz")
 
     def readyz(self) -> tuple[bool, dict[str, Any]]:
-        ok, checks = self._ask_all("/readyz")
+        """Every process ready but for its assignment, and the pod holding at least one
+        partition. A group can have more members than partitions; asking a partition of every
+        process kept a pod with one idle process unready for good (a rollout that waits for it
+        stalls), while each process is the same worker that a pod of one process would be:
+        ready with one partition. The idle process's own answer (and `mmworker_ready` gauge)
+        still says it holds none."""
+        _ok, checks = self._ask_all("/readyz")
+        ok, partitions = True, 0
+        for answer in checks["processes"].values():
+            own = answer.get("checks") if isinstance(answer, dict) else None
+            if not isinstance(own, dict) or not own:
+                ok = False  # unreachable, or not our probe's answer
+                continue
+            for name, check in own.items():
+                if not isinstance(check, dict):
+                    ok = False
+                elif name == "assignment":
+                    partitions += int(check.get("partitions") or 0)
+                elif not check.get("ok"):
+                    ok = False
+        checks["assignment"] = {"ok": partitions > 0, "partitions": partitions}
         checks["stopping"] = {"ok": not self.stopping}
-        return ok and not self.stopping, checks
+        return ok and partitions > 0 and not self.stopping, checks
 
 
 class ProcessesCollector(Collector):

@@ -142,9 +142,17 @@ def test_the_supervisor_answers_for_every_process_on_one_port() -> None:
         text = generate_latest(merged).decode()
         assert 'mmworker_jobs_total{outcome="result",worker_process="0"} 1.0' in text, text
         assert 'mmworker_jobs_total{outcome="result",worker_process="1"} 2.0' in text, text
-        children[1].assigned = lambda: 0  # process 1 lost its partitions
+        children[1].assigned = lambda: 0  # more group members than partitions: process 1 idle
         status, body = _get(top, "/readyz")
-        assert status == 503 and body["checks"]["processes"]["1"]["status"] == "failing"
+        assert status == 200 and body["checks"]["assignment"]["partitions"] == 1, body
+        assert body["checks"]["processes"]["1"]["status"] == "failing"  # its own view stays
+        children[0].assigned = lambda: 0  # the pod holds no partition at all
+        status, body = _get(top, "/readyz")
+        assert status == 503 and not body["checks"]["assignment"]["ok"], body
+        children[0].assigned = lambda: 2
+        children[1].engine_state = "restarting"  # any other check of a process still counts
+        assert _get(top, "/readyz")[0] == 503
+        children[1].engine_state = "up"
         servers[1].shutdown()
         servers[1].server_close()  # process 1 stops answering: a wedge to the probe
         status, body = _get(top, "/livez")
