@@ -22,7 +22,7 @@ from mmworker.jobs import JobRunner
 from mmworker.kafka_io import ensure_worker_topics
 from mmworker.media import DecodePool, MediaStage, lower_thread_priority
 from mmworker.metrics import Metrics
-from mmworker.recovery import EngineRecovery, ProbeReport
+from mmworker.recovery import STUCK_GRACE_S, EngineRecovery, ProbeReport
 from mmworker.startup import StartupPhases
 from mmworker.worker import Worker
 
@@ -295,7 +295,11 @@ async def _serve(
         check_interrupted()
         recovery = None
         if core is None:  # a shared core belongs to the supervisor, which replaces the process
-            recovery = EngineRecovery(cfg.limits, engine, runner, ProbeReport(metrics, probes))
+            recovery = EngineRecovery(
+                cfg.limits, engine, runner, ProbeReport(metrics, probes),
+                stuck_after_s=cfg.health.engine_stall_s,
+            )  # fmt: skip
+            probes.stall_grace_s = STUCK_GRACE_S
             calming = asyncio.create_task(recovery.calm_forever())
         worker = Worker(
             cfg, runner, metrics, model=cfg.engine.model, health=probes, recovery=recovery

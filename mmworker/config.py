@@ -549,7 +549,7 @@ class LimitsConfig(_Section):
 
 class HealthConfig(_Section):
     """What /livez calls wedged. Both deadlines are far above normal stalls: a failed liveness
-    probe restarts the pod, which costs a model load."""
+    probe restarts the pod, which costs a model load, and a stuck engine core is replaced."""
 
     loop_deadline_s: float = Field(
         10.0,
@@ -560,8 +560,11 @@ class HealthConfig(_Section):
     engine_stall_s: float = Field(
         120.0,
         gt=0,
-        description="/livez fails when requests are in the engine and none has produced output "
-        "for this long (an engine that is alive but stuck)",
+        description="Requests are in the engine and none has produced output for this long: "
+        "the core is stuck (alive, but a GPU hang or a deadlock). The worker kills it and starts "
+        "a new one, recording the jobs inside as suspects (a job that wedges the engine twice is "
+        "dead-lettered as engine_crash); /livez fails if the stall lasts 15 s longer (at once "
+        "with engine.shared_core, whose core the supervisor owns)",
     )
 
 

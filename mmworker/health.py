@@ -9,7 +9,7 @@ own endpoint:
   so a slow load is not mistaken for a wedge)
 - /livez: should this process be restarted? The event loop beat within `health.loop_deadline_s`,
   the engine is not dead, and requests in the engine made progress within
-  `health.engine_stall_s`.
+  `health.engine_stall_s` (plus a grace in which the worker replaces a stuck core itself).
 - /readyz: does this worker serve now? Started, in its consumer group with at least one
   partition, and not stopping.
 
@@ -66,6 +66,9 @@ class Health:
         #: (up, with fewer jobs inside after load-dependent deaths, `engine_cap`).
         self.engine_state = "up"
         self.engine_cap: int | None = None
+        #: Seconds past `engine_stall_s` before a stall fails /livez: the worker's own
+        #: replacement of a stuck core (`mmworker.recovery`) gets its turn first.
+        self.stall_grace_s = 0.0
 
     def beat(self) -> None:
         self._beat = self._clock()
@@ -90,7 +93,10 @@ class Health:
             # only start the same engine again, later.
             restarting = self.engine_state == "restarting"
             checks["engine"] = {
-                "ok": restarting or (self.engine.alive() and stalled <= self._cfg.engine_stall_s),
+                "ok": restarting
+                or (
+                    self.engine.alive() and stalled <= self._cfg.engine_stall_s + self.stall_grace_s
+                ),
                 "alive": self.engine.alive(),
                 "state": self.engine_state,
                 "requests": inside,

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 CALM_CHECK_EVERY_S = 5.0
 #: Most seconds the jobs inside a dead engine get to see its death before the restart.
 DRAIN_TIMEOUT_S = 30.0
+#: How long past `health.engine_stall_s` /livez waits for a stuck core's replacement to begin
+#: (the calm loop looks every CALM_CHECK_EVERY_S) before it asks for the whole process.
+STUCK_GRACE_S = 3 * CALM_CHECK_EVERY_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,8 @@ class Restartable(Protocol):
 
     def restart(self) -> float: ...
     def alive(self) -> bool: ...
+    def progress(self) -> tuple[int, float]: ...
+    def kill_core(self) -> bool: ...
 
 
 class Inside(Protocol):
@@ -154,9 +159,12 @@ class EngineRecovery:
 
     def __init__(
         self, limits: LimitsConfig, engine: Restartable, runner: Inside, report: Reporter,
-        clock: Callable[[], float] = time.monotonic,
+        stuck_after_s: float | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
+        """`stuck_after_s`: requests inside and no output for this long make the core stuck
+        (`health.engine_stall_s`); None: never judged here."""
         self._limits = limits
+        self._stuck_after_s = stuck_after_s
         self._engine = engine
         self._runner = runner
         self._report = report
@@ -230,7 +238,7 @@ class EngineRecovery:
             await asyncio.sleep(CALM_CHECK_EVERY_S)
             if self._restart is not None:
                 continue
-            if await self.replace_idle_death():
+            if await self.replace_idle_death() or self.kill_stuck_core():
                 continue
             before = self.state.cap
             self.state = after_calm(self.state, self._clock(), self._limits)
@@ -253,6 +261,27 @@ class EngineRecovery:
         death = EngineFatal("the engine core died while idle", epoch=self._engine.epoch)
         await self.recover(death, _no_suspects)
         return True
+
+    def kill_stuck_core(self) -> bool:
+        """A core alive but stuck (no output from any request inside for `stuck_after_s`: a
+        GPU hang, a deadlock) is killed, and the death path does the rest: the jobs inside are
+        recorded as suspects and run alone on the new core, so a job that wedges the engine is
+        dead-lettered (`engine_crash`) like one that kills it. Before, only /livez saw the wedge:
+        the orchestrator restarted the worker, nothing was recorded, and the job came back to
+        wedge the next engine, so its partition never moved again. True if it killed."""
+        if self._gave_up or self._stuck_after_s is None or not self._engine.alive():
+            return False
+        inside, since = self._engine.progress()
+        stuck_s = self._clock() - since
+        if not inside or stuck_s <= self._stuck_after_s:
+            return False
+        log.error(
+            "the engine produced nothing for %.0fs with %d requests inside "
+            "(health.engine_stall_s = %g): killing its core so that it is replaced and the "
+            "jobs inside are recorded as suspects",
+            stuck_s, inside, self._stuck_after_s,
+        )  # fmt: skip
+        return self._engine.kill_core()
 
 
 async def _no_suspects() -> None:

@@ -137,6 +137,16 @@ class Engine:
         self.epoch += 1
         return time.monotonic() - t0
 
+    def kill_core(self) -> bool:
+        """SIGKILL the running core's processes: how a core that is alive but stuck is made a
+        death, so that the death path (suspects, a new core) runs as for a crash. False when
+        this engine started no process of its own (a shared core belongs to its supervisor)."""
+        procs = [p for p in self._core_procs if p.is_running()]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        return bool(procs)
+
     def _start(self) -> None:
         engine_process_env(first_start=_CORES_STARTED["count"] == 0)
         from transformers import AutoTokenizer

@@ -70,8 +70,9 @@ def tiny_llm(tiny_model_dir: Path) -> Iterator[Any]:
 #: `preprocess.max_media_bytes` of the shared worker: test_worker_e2e's too-large file is one byte
 #: over it.
 SERVICE_MAX_BYTES = 2 * 1024 * 1024
-#: `health.engine_stall_s` of the shared worker: test_ops_e2e freezes its engine past it.
-SERVICE_STALL_S = 4.0
+#: `health.engine_stall_s` of the shared worker: test_ops_e2e freezes its engine past it (and the
+#: worker replaces that core); above any stall of the tiny model under CI load.
+SERVICE_STALL_S = 6.0
 
 
 @dataclass(frozen=True)

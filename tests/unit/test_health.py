@@ -71,6 +71,20 @@ def test_liveness_fails_on_an_engine_stalled_with_requests_or_dead() -> None:
     assert not h.livez()[0]
 
 
+def test_a_worker_that_replaces_stuck_cores_gets_their_grace_before_liveness_fails() -> None:
+    clock = Clock()
+    h = Health(HealthConfig(engine_stall_s=30), clock)
+    h.started, h.stall_grace_s = True, 15.0
+    since = clock.now
+    h.engine = EngineProbe(alive=lambda: True, progress=lambda: (2, since))
+    clock.now += 44
+    h.beat()
+    assert h.livez()[0]  # stuck for 44 s: the worker's own replacement is due, not a restart
+    clock.now += 2
+    h.beat()
+    assert not h.livez()[0]  # 46 s: the replacement never began
+
+
 def test_readiness_needs_start_an_assignment_and_no_stop() -> None:
     h = Health(HealthConfig())
     assert h.readyz()[0] is False and h.startupz()[0] is False

@@ -111,9 +111,20 @@ class Engine:
         self.restarts = 0
         self._fail = fail
         self.dead = False
+        self.inside = 0
+        self.last_output = 0.0
+        self.kills = 0
 
     def alive(self) -> bool:
         return not self.dead
+
+    def progress(self) -> tuple[int, float]:
+        return self.inside, self.last_output
+
+    def kill_core(self) -> bool:
+        self.kills += 1
+        self.dead = True
+        return True
 
     def restart(self) -> float:
         if self._fail:
@@ -173,6 +184,30 @@ def test_a_core_that_died_with_nobody_inside_is_replaced_without_waiting_for_a_j
     assert engine.restarts == 1 and engine.alive() and report.restarts == 1
     assert recovery.state.cap is None and runner.log == ["down", "up"]
     assert not asyncio.run(recovery.replace_idle_death())
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_core_stuck_with_requests_inside_is_killed_after_the_stall_limit_only() -> None:
+    """Killing it hands the wedge to the death path (suspects, a new core); an idle engine, one
+    whose requests still produce output, or one without a limit is left alone."""
+    clock = Clock()
+    engine, runner, report = Engine(), Runner(jobs()), Report()
+    recovery = EngineRecovery(LIMITS, engine, runner, report, stuck_after_s=30.0, clock=clock)
+    clock.now = 100.0  # no output since t=0, but nothing inside: idle, not stuck
+    assert not recovery.kill_stuck_core() and engine.kills == 0
+    engine.inside, engine.last_output = 4, 75.0
+    assert not recovery.kill_stuck_core()  # 25 s without output: under the limit
+    clock.now = 106.0
+    assert recovery.kill_stuck_core() and engine.kills == 1 and not engine.alive()
+    assert not recovery.kill_stuck_core()  # dead now: the death path's business
+    unjudged = EngineRecovery(LIMITS, Engine(), runner, report)
+    assert not unjudged.kill_stuck_core()
 
 
 def test_a_request_sent_to_a_core_already_dead_is_no_suspect() -> None:
