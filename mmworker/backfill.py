@@ -641,10 +641,11 @@ def read_output(out: Path) -> Iterator[dict[str, Any]]:
     n = 0
     try:
         for n, row in enumerate(_output_rows(out), 1):
-            if not isinstance(row, dict) or not isinstance(row.get("job_id"), str):
+            if not _is_output_row(row):
                 raise ConfigError(
-                    f"--out {out}: row {n} is not a row of a backfill's output (no job_id): "
-                    "name another file (this one is rewritten at the end)"
+                    f"--out {out}: row {n} is not a row of a backfill's output (no job_id, or "
+                    "no outcome ok / failed with a code): name another file (this one is "
+                    "rewritten at the end)"
                 )
             yield row
     except (OSError, ValueError) as exc:  # ValueError: not JSON, pyarrow's ArrowInvalid
@@ -652,6 +653,15 @@ def read_output(out: Path) -> Iterator[dict[str, Any]]:
             f"--out {out}: not a backfill's output ({type(exc).__name__}: {exc} near row "
             f"{n + 1}): name another file (this one is rewritten at the end)"
         ) from None
+
+
+def _is_output_row(row: object) -> bool:
+    """What the readers use of a row. A job_id alone let another tool's JSONL through (`tail
+    --json` writes results with job ids), and the run ended in a KeyError."""
+    if not isinstance(row, dict) or not isinstance(row.get("job_id"), str):
+        return False
+    outcome = row.get("outcome")
+    return outcome == "ok" or (outcome == "failed" and "code" in row)
 
 
 def _output_rows(out: Path) -> Iterator[Any]:
@@ -780,14 +790,20 @@ def replace_durably(tmp: Path, dest: Path) -> None:
         os.close(fd)
 
 
-def with_absolute_media(row: Row, planned: Planned, uri_column: str) -> Row:
+def with_absolute_media(row: Row, planned: Planned, uri_column: str, base: Path) -> Row:
     """The row as a retry manifest holds it: a relative media path made the absolute URI the
-    job used. Relative paths are read from a manifest's own directory, and the retry manifest
-    sits beside the output: its rows pointed at other files, or none."""
+    job used (`base`: the manifest's directory). Relative paths are read from a manifest's own
+    directory, and the retry manifest sits beside the output: its rows pointed at other files,
+    or none. Rows that never became a job (bad options, too large) too: their fix is an edit
+    of the retry manifest."""
     relative = planned.source and not planned.source.startswith(_URL_PREFIXES)
-    if not relative or planned.job is None or not planned.job.media[0].uri:
+    if not relative:
         return row
-    return replace(row, fields={**row.fields, uri_column: planned.job.media[0].uri})
+    if planned.job is not None and planned.job.media[0].uri:
+        uri = planned.job.media[0].uri
+    else:
+        uri = _uri(planned.source, uri_column, base)
+    return replace(row, fields={**row.fields, uri_column: uri})
 
 
 def write_rows(path: Path, fmt: str, rows: Iterable[dict[str, Any]]) -> None:
@@ -958,7 +974,7 @@ def _backfill(args: argparse.Namespace, cfg: WorkerConfig) -> int:
         collector.close()
         poster.close()
     retry_path = out.with_name(out.stem + ".retry.jsonl")
-    rows = ((with_absolute_media(row, p, cols.uri), p) for row, p in planned_rows())
+    rows = ((with_absolute_media(row, p, cols.uri, base), p) for row, p in planned_rows())
     written = write_results(out, fmt, rows, retry_path)
     _summary(name, out, written, tally, time.monotonic() - started)
     return 1 if written.rows - written.outcomes["ok"] else 0
@@ -1299,6 +1315,7 @@ class Collector:
         poll short of the ends, the ends are asked again and the lower kept: brokers that came
         back empty have lower ones, which it waited for without end."""
         while True:
+            check_interrupted()  # brokers gone is when Ctrl-C comes; a library may swallow it
             if self.poll(journal, tally, timeout_ms=500):
                 continue
             up = self.connected()

@@ -537,18 +537,27 @@ def test_a_retry_manifest_beside_the_output_asks_for_the_same_files(tmp_path: Pa
     data.mkdir()
     results.mkdir()
     _, rows = _manifest(data, 2)
+    # A row that never became a job (options not JSON): its fix is an edit of the retry
+    # manifest, which must then ask for the same file too.
+    cols = Columns(key="k", options="o")
+    (data / "bad.jsonl").write_text(json.dumps({"k": "bad", "uri": "2.jpg", "o": "{"}) + "\n")
+    (bad_row,) = read_manifest(str(data / "bad.jsonl"))
+    bad = plan(bad_row, "bf", cols, DEFAULTS, data)
+    assert bad.job is None and bad.problem
     out, retry = results / "captions.jsonl", results / "captions.retry.jsonl"
     failed = [_failure(p.job_id).model_copy(update={"metadata": p.job.metadata})  # type: ignore[union-attr]
               for _, p in rows]  # fmt: skip
     _journal(out, [output_row(json.loads(f.model_dump_json())) for f in failed])  # type: ignore[misc]
-    written = write_results(out, "jsonl", ((with_absolute_media(r, p, "uri"), p) for r, p in rows),
-                            retry)  # fmt: skip
-    assert written.retry == retry  # both rows failed
-    again = [plan(r, "bf", Columns(key="k"), DEFAULTS, results) for r in read_manifest(str(retry))]
-    first = [p for _, p in rows]
-    assert [p.job.media[0].uri for p in again] == [p.job.media[0].uri for p in first]  # type: ignore[union-attr]
+    rows.append((bad_row, bad))
+    absolute = ((with_absolute_media(r, p, "uri", data), p) for r, p in rows)
+    written = write_results(out, "jsonl", absolute, retry)
+    assert written.retry == retry  # every row failed
+    again = [plan(r, "bf", cols, DEFAULTS, results) for r in read_manifest(str(retry))]
+    first = [p for _, p in rows[:2]]
+    assert [p.job.media[0].uri for p in again[:2]] == [p.job.media[0].uri for p in first]  # type: ignore[union-attr]
     assert [p.job.media[0].uri for p in first] == [(data / f"{i}.jpg").as_uri() for i in range(2)]  # type: ignore[union-attr]
-    assert [p.job_id for p in again] == [p.job_id for p in first]
+    assert [p.job_id for p in again[:2]] == [p.job_id for p in first]
+    assert again[2].job is None and again[2].source == (data / "2.jpg").as_uri()
 
 
 def test_the_output_is_on_disk_before_the_journal_that_could_redo_it_goes(
@@ -592,12 +601,16 @@ def test_an_out_that_is_not_a_backfills_output_is_a_one_line_error(tmp_path: Pat
     manifest, _ = _manifest(tmp_path, 2)
     other = tmp_path / "other.jsonl"
     other.write_text('{"id": 1}\n')
+    # `mmworker tail --json`: results with a job id, and no outcome (a KeyError mid-run)
+    tailed = tmp_path / "tailed.jsonl"
+    tailed.write_text(json.dumps({"job_id": "bf/a", "text": "a cat", "model": "m"}) + "\n")
     (tmp_path / "dir.jsonl").mkdir()
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 not really")
     from mmworker.errors import ConfigError
 
     cases = [(manifest, "row 1 is not a row"), (other, "row 1 is not a row"),
+             (tailed, "row 1 is not a row"),
              (tmp_path / "dir.jsonl", "IsADirectoryError"), (broken, "near row 1")]  # fmt: skip
     for out, why in cases:
         with pytest.raises(ConfigError, match=why):
@@ -615,3 +628,36 @@ def test_a_job_over_the_producers_request_size_is_its_rows_failure(tmp_path: Pat
     assert "over kafka.max_request_size (4096)" in refused.problem
     assert plan(small, "bf", cols, DEFAULTS, tmp_path, max_bytes=4096).job is not None
     assert plan(big, "bf", cols, DEFAULTS, tmp_path).job is not None  # no limit given
+
+
+def test_catching_up_with_the_brokers_gone_stops_on_a_signal_a_library_swallowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The catch-up loop runs without end while no broker answers, which is when a user presses
+    Ctrl-C; a library that swallowed the `Interrupted` left it running until a second Ctrl-C."""
+    import signal as signals
+
+    from mmworker import exits
+    from mmworker.backfill import Collector
+
+    polls: list[int] = []
+
+    class Gone:
+        def poll(self, journal: object, tally: object, timeout_ms: int) -> int:
+            polls.append(timeout_ms)
+            assert len(polls) < 50, "still catching up after the signal"
+            if len(polls) == 3:
+                exits._seen.append(signals.SIGINT)  # the handler ran; its raise was swallowed
+            return 0
+
+        def connected(self) -> bool:
+            return False
+
+    class Link:
+        def observe(self, up: bool, why: str) -> None:
+            pass
+
+    monkeypatch.setattr(exits, "_seen", [])
+    with pytest.raises(exits.Interrupted):
+        Collector.catch_up(Gone(), None, None, Link())  # type: ignore[arg-type]
+    assert len(polls) == 3
