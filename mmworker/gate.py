@@ -49,6 +49,8 @@ class WaitClock:
         self._stopped_at: float | None = None
         self._when = 0.0
         self._closed = False
+        #: Loop time up to which thrown-away engine time was given back (`credit`).
+        self._credited_to = float("-inf")
 
     def close(self) -> None:
         """The attempt is over: requests still leaving the gate (cancelled segments) must not
@@ -77,10 +79,16 @@ class WaitClock:
             self._inside -= 1
             self._settle()
 
-    def credit(self, seconds: float) -> None:
-        """Give back engine time that a preemption threw away: a backfill job preempted by
-        live jobs again and again (each aborted generation starts over) ran out its limit on
-        work thrown away, and was dead-lettered as job_timeout; preemption does not count."""
+    def credit(self, since: float) -> None:
+        """Give back engine time that a preemption threw away, from `since` (loop time) to now:
+        a backfill job preempted by live jobs again and again (each aborted generation starts
+        over) ran out its limit on work thrown away, and was dead-lettered as job_timeout;
+        preemption does not count. A segmented job's segments are preempted together: their
+        spans overlap, and only what no earlier credit covered counts (each one whole gave the
+        job up to 4x the wall time)."""
+        now = asyncio.get_running_loop().time()
+        seconds = now - max(since, self._credited_to)
+        self._credited_to = max(self._credited_to, now)
         if self._closed or seconds <= 0:
             return
         self.waited_s += seconds  # its job deadline moves by as much

@@ -349,7 +349,7 @@ class JobRunner:
                     self._metrics.preempted.inc()
                     clock = WAIT_CLOCK.get()
                     if clock is not None:  # thrown away: it counts in no limit
-                        clock.credit(asyncio.get_running_loop().time() - entered)
+                        clock.credit(since=entered)
                     return None
                 raise
             except EngineFatal as death:

@@ -126,6 +126,34 @@ def test_the_attempt_timeout_still_bounds_the_jobs_own_engine_time() -> None:
     assert engine.ran[STEPS] == "bf"
 
 
+def test_segments_preempted_together_give_back_their_overlapping_engine_time_once() -> None:
+    """A segmented job's segments are preempted by one live job together: each credited its
+    whole span, and the attempt got up to 4x the wall time back (its deadline too)."""
+    from mmworker.gate import WaitClock
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(10.0) as limit:
+            clock = WaitClock(limit)
+            first = limit.when()
+            assert first is not None
+            t0 = loop.time()
+            await asyncio.sleep(0.2)
+            for since in (t0, t0 + 0.05, t0 + 0.1, t0 + 0.15):  # four segments, one preemption
+                clock.credit(since=since)
+            once = clock.waited_s
+            await asyncio.sleep(0.1)
+            clock.credit(since=t0 + 0.1)  # a later preemption: only its span past the last one
+            when = limit.when()
+            assert when is not None
+            assert abs((when - first) - clock.waited_s) < 1e-6  # the limit moved by as much
+            return once, clock.waited_s
+
+    once, total = asyncio.run(scenario())
+    assert 0.19 < once < 0.3, once  # the union, 0.2 s; not 0.2 + 0.15 + 0.1 + 0.05
+    assert 0.29 < total < 0.45, total
+
+
 def test_requests_of_one_attempt_waiting_side_by_side_stop_its_clock_until_the_last_is_through(
 ) -> None:  # fmt: skip
     """A segmented job's segments wait at the gate together. The first through restarted the
