@@ -106,6 +106,8 @@ class RecordHandler:
         self._suspects = suspects
         self._stopping = stopping
         self._recovery = recovery
+        if recovery is not None:
+            recovery.write_suspects = self.record_suspects
 
     async def handle(self, tp: TopicPartition, record: Any) -> None:
         """Runs one job to a delivered outcome. Every exit is accounted for: done, cancelled

@@ -172,6 +172,9 @@ class EngineRecovery:
         self.state = Degrade()
         self._restart: asyncio.Future[bool] | None = None
         self._gave_up = False
+        #: Writes the jobs that saw a death to the suspects topic (the record handler's, set
+        #: once it exists): a death found by the calm loop may have been seen by a job already.
+        self.write_suspects: Callable[[], Awaitable[None]] = _no_suspects
 
     async def recover(
         self, death: EngineFatal, record_suspects: Callable[[], Awaitable[None]]
@@ -257,9 +260,19 @@ class EngineRecovery:
         restarted the whole worker (the model load this module avoids). True if it began."""
         if self._gave_up or self._engine.alive() or self._runner.inside():
             return False
-        log.error("the engine core died with no request inside: replacing it")
+        seen = self._runner.dead_inside()
+        if seen:
+            # Jobs that were inside and saw the death, gone from the engine but not yet in
+            # recovery (a segmented job notices at its next segment): their suspects are
+            # written now. Written only by that job later, they were never written: the
+            # restart had begun, and the next death named them again.
+            log.error(
+                "the engine core died and the %d jobs inside left it: replacing it", len(seen)
+            )
+        else:
+            log.error("the engine core died with no request inside: replacing it")
         death = EngineFatal("the engine core died while idle", epoch=self._engine.epoch)
-        await self.recover(death, _no_suspects)
+        await self.recover(death, self.write_suspects)
         return True
 
     def kill_stuck_core(self) -> bool:

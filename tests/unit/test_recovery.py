@@ -193,6 +193,23 @@ class Clock:
         return self.now
 
 
+def test_a_death_found_idle_after_a_job_saw_it_writes_that_jobs_suspects() -> None:
+    """A segmented job's requests fail and leave the engine; the job notices at its next
+    segment. The calm loop found the core dead with nobody inside first and restarted it with
+    no suspects written, and the job's own recovery then found the core already replaced."""
+    engine, runner, report = Engine(), Runner(jobs("a")), Report()
+    recovery = EngineRecovery(LIMITS, engine, runner, report)
+    written: list[str] = []
+
+    async def write() -> None:
+        written.append("suspects")
+
+    recovery.write_suspects = write
+    engine.dead = True
+    assert asyncio.run(recovery.replace_idle_death())
+    assert written == ["suspects"] and engine.restarts == 1
+
+
 def test_a_core_stuck_with_requests_inside_is_killed_after_the_stall_limit_only() -> None:
     """Killing it hands the wedge to the death path (suspects, a new core); an idle engine, one
     whose requests still produce output, or one without a limit is left alone."""
@@ -320,6 +337,8 @@ def test_the_worker_reruns_the_jobs_of_a_dead_engine_on_a_new_core_without_stopp
     assert sorted(suspects.cleared) == sorted(suspect_key(s) for s in recorded)  # ran alone, ok
     assert metrics.engine_restarts._value.get() == 1
     assert health.engine_state == "up"
+    # A death the calm loop finds writes the suspects through the same handler.
+    assert getattr(recovery.write_suspects, "__name__", "") == "record_suspects"
 
 
 def test_the_gate_holds_jobs_beyond_the_cap_and_everyone_while_the_engine_is_down() -> None:
