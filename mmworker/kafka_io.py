@@ -356,6 +356,11 @@ class TopicCheck:
         self._missing.pop(topic, None)
 
 
+def record_headers(kind: str) -> list[tuple[str, bytes]]:
+    """What every record the worker writes carries: its kind (result, failure, ...)."""
+    return [("mmworker-record", kind.encode())]
+
+
 async def send(
     producer: KafkaProducer, topic: str, key: str, value: bytes, kind: str,
     executor: Executor | None = None, lock: asyncio.Lock | None = None,
@@ -376,9 +381,7 @@ async def send(
         loop.call_soon_threadsafe(_settle, done, None, exc)
 
     def submit() -> Any:
-        return producer.send(
-            topic, key=key.encode(), value=value, headers=[("mmworker-record", kind.encode())]
-        )
+        return producer.send(topic, key=key.encode(), value=value, headers=record_headers(kind))
 
     if executor is None:
         future = submit()

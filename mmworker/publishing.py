@@ -32,7 +32,7 @@ from kafka.errors import (
 from mmworker.config import KafkaConfig
 from mmworker.errors import PublishRefused, TopicRefused, UnknownReplyTopic
 from mmworker.jobs import Outcome
-from mmworker.kafka_io import TopicCheck, send, topic_exists
+from mmworker.kafka_io import TopicCheck, record_headers, send, topic_exists
 
 #: The worker's own name, whichever of its parts logs: operators filter its lines on it.
 log = logging.getLogger("mmworker.worker")
@@ -74,6 +74,30 @@ class RenewableProducer:
 
     def close(self, timeout: float | None = None) -> None:
         self.current.close(timeout)
+
+    def refused_alone(
+        self, topic: str, key: str, value: bytes, kind: str, timeout_s: float
+    ) -> BaseException | None:
+        """Send one record on a producer of its own, with nothing else in flight: the error if
+        that producer gives it up too (the broker refuses this very record), None once it is
+        acknowledged. Why: a fatal state fails every record in flight with the same error, so
+        a record that renewed producers twice may only have been in flight when others were
+        refused; dead-lettering it on that count lost its result. Raises KafkaError for any
+        other failure (retried). Blocking: on the publisher's threads."""
+        probe = self._make()
+        try:
+            try:
+                probe.send(topic, key=key.encode(), value=value, headers=record_headers(kind)).get(
+                    timeout=timeout_s
+                )
+            except KafkaError as exc:
+                if given_up(probe) is None:
+                    raise
+                refused: BaseException = exc
+                return refused
+            return None
+        finally:
+            probe.close(0)
 
     def renew_if_given_up(self) -> bool:
         """A new producer if the current one is in its fatal state; True if it was replaced.
@@ -157,11 +181,28 @@ class Publisher:
                     renewed += 1
                     if renewed < RENEWALS_PER_RECORD:
                         continue  # refused by a producer that refused everything: try a new one
-                    # A new producer gave up on this record too (InvalidTimestampError, an
-                    # unknown server error): the broker refuses the record, not the producer.
-                    # Sent again, it renewed producers without end and was never dead-lettered.
+                    # Again: this record (InvalidTimestampError, an unknown server error), or
+                    # another one in flight beside it each time? Sent alone, it tells. Sent
+                    # again and again, it renewed producers without end and was never
+                    # dead-lettered.
+                    try:
+                        refused = await self.call(
+                            self.producer.refused_alone, outcome.topic, outcome.key, value,
+                            outcome.kind, k.max_block_ms / 1000,
+                        )  # fmt: skip
+                    except KafkaError as failed:  # not an answer about the record: again
+                        log.warning(
+                            "publish to %s alone failed (%s); retrying in %.1fs",
+                            outcome.topic, failed, delay,
+                        )  # fmt: skip
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 10.0)
+                        continue
+                    if refused is None:
+                        return
                     raise PublishRefused(
-                        f"{type(exc).__name__}: {exc} (refused again by a new producer)"
+                        f"{type(refused).__name__}: {refused} (refused again by a producer that "
+                        "sent it alone)"
                     ) from exc
                 if isinstance(exc, KafkaTimeoutError):  # no metadata: deleted since it was found?
                     self._reply_topics.forget(outcome.topic)

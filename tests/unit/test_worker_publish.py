@@ -337,7 +337,49 @@ def test_a_result_every_new_producer_gives_up_on_is_dead_lettered_not_sent_forev
     assert tracker.to_commit() == {TP: 8}
     (failure,) = [doc for p in producers for doc in p.on(DLQ)]
     assert failure["code"] == "publish_failed" and "InvalidTimestampError" in failure["message"]
-    assert len(producers) == RENEWALS_PER_RECORD + 1  # the first, and one new per refusal
+    # the first, one new per refusal, and one that sent it alone
+    assert len(producers) == RENEWALS_PER_RECORD + 2
+
+
+class _GivesUpOnOthers(_GivesUpOnResults):
+    """A producer that another record in flight put in its fatal state: this one fails with
+    that record's error, although the broker would take it."""
+
+    def send(self, topic: str, *, key: bytes, value: bytes, headers: Any = None) -> Any:
+        if self.fatal is None and type(self).made <= RENEWALS_TO_FAIL:
+            self.fatal = InvalidTimestampError("another record's timestamp is out of range")
+        if self.fatal is not None:
+            raise self.fatal
+        return Producer.send(self, topic, key=key, value=value, headers=headers)
+
+
+RENEWALS_TO_FAIL = 3  # the first producer and the two renewals: every one given up by others
+
+
+def test_a_result_only_in_flight_when_others_were_refused_is_published_not_dead_lettered() -> None:
+    """A fatal state fails every record in flight with the refused one's error. A result that
+    happened to renew the producer twice was dead-lettered as publish_failed: its real answer
+    was lost. Sent alone on a producer of its own, it goes through."""
+    from mmworker.publishing import RenewableProducer
+
+    producers: list[_GivesUpOnOthers] = []
+    _GivesUpOnOthers.made = 0
+
+    def make() -> _GivesUpOnOthers:
+        producers.append(_GivesUpOnOthers())
+        return producers[-1]
+
+    cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
+    handler, stopping, tracker, _ = _handler_with(
+        cfg, Publisher(cfg.kafka, RenewableProducer(make))
+    )
+    asyncio.run(asyncio.wait_for(handler.handle(TP, _record()), 30))
+    assert stopping.exit_code == ExitCode.OK, stopping
+    assert tracker.to_commit() == {TP: 8}
+    assert [doc for p in producers for doc in p.on(DLQ)] == []
+    (result,) = [doc for p in producers for doc in p.on(OUTPUT)]
+    assert result["text"] and len(producers) == RENEWALS_TO_FAIL + 1
+    assert producers[-1].closed  # the one that sent it alone
 
 
 def test_a_new_producer_that_cannot_reach_the_brokers_is_asked_for_again_later() -> None:
