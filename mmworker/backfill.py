@@ -802,7 +802,10 @@ def with_absolute_media(row: Row, planned: Planned, uri_column: str, base: Path)
     if planned.job is not None and planned.job.media[0].uri:
         uri = planned.job.media[0].uri
     else:
-        uri = _uri(planned.source, uri_column, base)
+        try:
+            uri = _uri(planned.source, uri_column, base)
+        except ValueError:  # no path at all (a NUL byte): the row stays as it was written
+            return row
     return replace(row, fields={**row.fields, uri_column: uri})
 
 

@@ -66,9 +66,11 @@ class Health:
         #: (up, with fewer jobs inside after load-dependent deaths, `engine_cap`).
         self.engine_state = "up"
         self.engine_cap: int | None = None
-        #: Seconds past `engine_stall_s` before a stall fails /livez: the worker's own
-        #: replacement of a stuck core (`mmworker.recovery`) gets its turn first.
+        #: Seconds past `engine_stall_s` before a stall fails /livez, and a dead core may stay
+        #: dead: the worker's own replacement (`mmworker.recovery`) gets its turn first (it
+        #: finds an idle death within 5 s, and a job sees a busy one at once).
         self.stall_grace_s = 0.0
+        self._dead_since: float | None = None
 
     def beat(self) -> None:
         self._beat = self._clock()
@@ -92,12 +94,17 @@ class Health:
             # A core being replaced is neither alive nor dead: restarting the process would
             # only start the same engine again, later.
             restarting = self.engine_state == "restarting"
+            alive = self.engine.alive()
+            if alive:
+                self._dead_since = None
+            elif self._dead_since is None:
+                self._dead_since = now
+            dead_s = 0.0 if self._dead_since is None else now - self._dead_since
             checks["engine"] = {
                 "ok": restarting
-                or (
-                    self.engine.alive() and stalled <= self._cfg.engine_stall_s + self.stall_grace_s
-                ),
-                "alive": self.engine.alive(),
+                or (alive and stalled <= self._cfg.engine_stall_s + self.stall_grace_s)
+                or (not alive and self.stall_grace_s > 0 and dead_s <= self.stall_grace_s),
+                "alive": alive,
                 "state": self.engine_state,
                 "requests": inside,
                 "no_progress_s": round(stalled, 3),

@@ -75,9 +75,7 @@ class RenewableProducer:
     def close(self, timeout: float | None = None) -> None:
         self.current.close(timeout)
 
-    def refused_alone(
-        self, topic: str, key: str, value: bytes, kind: str, timeout_s: float
-    ) -> BaseException | None:
+    def refused_alone(self, topic: str, key: str, value: bytes, kind: str) -> BaseException | None:
         """Send one record on a producer of its own, with nothing else in flight: the error if
         that producer gives it up too (the broker refuses this very record), None once it is
         acknowledged. Why: a fatal state fails every record in flight with the same error, so
@@ -87,9 +85,10 @@ class RenewableProducer:
         probe = self._make()
         try:
             try:
-                probe.send(topic, key=key.encode(), value=value, headers=record_headers(kind)).get(
-                    timeout=timeout_s
-                )
+                # No timeout of our own: the producer's delivery timeout ends the wait. Cut
+                # short, the record was still in flight: close(0) then fails (the probe leaked
+                # its thread and connections) and the copy could still land beside the resend.
+                probe.send(topic, key=key.encode(), value=value, headers=record_headers(kind)).get()
             except KafkaError as exc:
                 if given_up(probe) is None:
                     raise
@@ -97,7 +96,10 @@ class RenewableProducer:
                 return refused
             return None
         finally:
-            probe.close(0)
+            try:
+                probe.close(0)
+            except KafkaError as exc:  # still something in flight: it is dropped
+                log.warning("the producer that sent a record alone did not close: %s", exc)
 
     def renew_if_given_up(self) -> bool:
         """A new producer if the current one is in its fatal state; True if it was replaced.
@@ -188,7 +190,7 @@ class Publisher:
                     try:
                         refused = await self.call(
                             self.producer.refused_alone, outcome.topic, outcome.key, value,
-                            outcome.kind, k.max_block_ms / 1000,
+                            outcome.kind,
                         )  # fmt: skip
                     except KafkaError as failed:  # not an answer about the record: again
                         log.warning(

@@ -286,15 +286,15 @@ class EngineRecovery:
             return False
         inside, since = self._engine.progress()
         stuck_s = self._clock() - since
-        if not inside or stuck_s <= self._stuck_after_s:
+        if not inside or stuck_s <= self._stuck_after_s or not self._engine.kill_core():
             return False
         log.error(
             "the engine produced nothing for %.0fs with %d requests inside "
-            "(health.engine_stall_s = %g): killing its core so that it is replaced and the "
+            "(health.engine_stall_s = %g): killed its core so that it is replaced and the "
             "jobs inside are recorded as suspects",
             stuck_s, inside, self._stuck_after_s,
         )  # fmt: skip
-        return self._engine.kill_core()
+        return True
 
 
 async def _no_suspects() -> None:

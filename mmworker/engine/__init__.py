@@ -114,6 +114,10 @@ class Engine:
         self._core_procs: list[psutil.Process] = []
 
     def start(self) -> None:
+        # A new core has made no progress yet, and owes none for the old one's stall: a
+        # request that outlived the old core's drain kept the count above 0, and the stall
+        # clock ran on from before the restart, so the new core was killed as stuck at once.
+        self._last_progress = time.monotonic()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self._start()
         self._core_procs = [

@@ -165,6 +165,13 @@ def _engine_core(worker: WorkerProcess) -> psutil.Process:
     return cores[0]
 
 
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_frozen_engine_core_is_replaced_its_jobs_are_suspects_and_liveness_holds(
     ops: dict[str, Any],
 ) -> None:
@@ -184,11 +191,14 @@ def test_a_frozen_engine_core_is_replaced_its_jobs_are_suspects_and_liveness_hol
         _wait(lambda: _get(port, "/livez")[1]["checks"]["engine"]["requests"] > 0, 60,
               "requests in the frozen engine", worker)  # fmt: skip
         t0 = time.monotonic()
-        while core.is_running() and core.status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() - t0 < STALL_S + 30, worker.log()
+        killed_after = None
+        # /livez is sampled through the stall, the kill, the death and the new core's start.
+        while "engine restarted in" not in worker.log_path.read_text(errors="replace")[log_before:]:
+            assert time.monotonic() - t0 < STALL_S + 180, worker.log()
             livez.append(_get(port, "/livez")[0])
+            if killed_after is None and not _running(core):
+                killed_after = time.monotonic() - t0
             time.sleep(0.25)
-        killed_after = time.monotonic() - t0
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             core.send_signal(signal.SIGCONT)  # only if the worker did not kill it
@@ -197,9 +207,9 @@ def test_a_frozen_engine_core_is_replaced_its_jobs_are_suspects_and_liveness_hol
         (topic, _doc), *_ = ops["collector"].by_job[job_id]
         assert topic == ops["topics"]["output"], (job_id, _doc)
     log = worker.log_path.read_text(errors="replace")[log_before:]
-    assert "killing its core" in log and "engine restarted in" in log, log[-6000:]
+    assert "killed its core" in log and "engine restarted in" in log, log[-6000:]
     assert "recording them as suspects" in log, log[-6000:]
-    assert killed_after >= STALL_S - 1, killed_after  # not before the stall limit
+    assert killed_after is not None and killed_after >= STALL_S - 1, killed_after
     assert livez and 503 not in livez, livez  # liveness never asked for a pod restart
     _wait(lambda: _get(port, "/readyz")[0] == 200, 60, "/readyz 200 again", worker)
     suspects = _samples(port)["mmworker_suspect_jobs_total"]

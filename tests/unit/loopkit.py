@@ -48,7 +48,7 @@ class Future:
         if self.error is not None:
             fn(self.error)
 
-    def get(self, timeout: float) -> str:
+    def get(self, timeout: float | None = None) -> str:
         if self.error is not None:
             raise self.error
         return "metadata"

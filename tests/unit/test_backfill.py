@@ -558,6 +558,11 @@ def test_a_retry_manifest_beside_the_output_asks_for_the_same_files(tmp_path: Pa
     assert [p.job.media[0].uri for p in first] == [(data / f"{i}.jpg").as_uri() for i in range(2)]  # type: ignore[union-attr]
     assert [p.job_id for p in again[:2]] == [p.job_id for p in first]
     assert again[2].job is None and again[2].source == (data / "2.jpg").as_uri()
+    # A path that is none at all stays as written (it raised out of the final write).
+    (data / "nul.jsonl").write_text(json.dumps({"k": "nul", "uri": "a\u0000b.jpg"}) + "\n")
+    (nul_row,) = read_manifest(str(data / "nul.jsonl"))
+    nul = plan(nul_row, "bf", cols, DEFAULTS, data)
+    assert nul.job is None and with_absolute_media(nul_row, nul, "uri", data) == nul_row
 
 
 def test_the_output_is_on_disk_before_the_journal_that_could_redo_it_goes(

@@ -83,6 +83,21 @@ def test_a_worker_that_replaces_stuck_cores_gets_their_grace_before_liveness_fai
     clock.now += 2
     h.beat()
     assert not h.livez()[0]  # 46 s: the replacement never began
+    # A dead core the worker replaces itself: dead for the grace, not a restart of the pod
+    # (before a job or the calm loop has begun the replacement, the state still says "up").
+    state = {"alive": False}
+    h.engine = EngineProbe(alive=lambda: state["alive"], progress=lambda: (0, clock.now))
+    assert h.livez()[0]
+    clock.now += 15
+    h.beat()
+    assert h.livez()[0]
+    clock.now += 1
+    h.beat()
+    assert not h.livez()[0]  # dead for 16 s and not being replaced
+    state["alive"] = True
+    assert h.livez()[0]
+    state["alive"] = False  # a later death gets its own grace
+    assert h.livez()[0]
 
 
 def test_readiness_needs_start_an_assignment_and_no_stop() -> None:

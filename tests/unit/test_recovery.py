@@ -368,3 +368,34 @@ def test_the_gate_holds_jobs_beyond_the_cap_and_everyone_while_the_engine_is_dow
         return order
 
     assert asyncio.run(scenario()) == ["a", "b", "c"]
+
+
+def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its_own() -> None:
+    """A request that outlived the old core's drain kept the engine's count above 0, so the
+    stall clock ran on from before the restart and the new core was killed as stuck at once."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from mmworker.config import EngineConfig
+    from mmworker.engine import Engine
+
+    engine = Engine(EngineConfig(), "tiny")
+    engine._active, engine._last_progress = 3, 0.0  # stuck since long before the restart
+    child: list[subprocess.Popen[bytes]] = []
+
+    def fake_start() -> None:  # vLLM's start: a core process appears
+        child.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+
+    engine._start = fake_start  # type: ignore[method-assign]
+    before = time.monotonic()
+    engine.start()
+    inside, since = engine.progress()
+    assert inside == 3 and since >= before
+    assert [p.pid for p in engine._core_procs] == [child[0].pid]
+    assert engine.kill_core()
+    assert child[0].wait(10) == -9
+    assert not engine.kill_core()  # nothing of its own left running
+    assert psutil.pid_exists(child[0].pid) is False or child[0].returncode is not None
