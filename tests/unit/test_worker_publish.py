@@ -35,7 +35,7 @@ from mmworker.jobs import JobRunner, Outcome
 from mmworker.metrics import Metrics
 from mmworker.offsets import OffsetTracker, TopicPartition
 from mmworker.partitions import Partitions
-from mmworker.publishing import Publisher
+from mmworker.publishing import RENEWALS_PER_RECORD, Publisher
 from mmworker.records import Context
 from mmworker.stopping import Stopping
 from tests.unit.loopkit import Producer, Suspects
@@ -317,15 +317,15 @@ class _GivesUpOnResults(Producer):
         return super().send(topic, key=key, value=value, headers=headers)
 
 
-def test_a_result_every_new_producer_gives_up_on_is_dead_lettered_not_sent_forever() -> None:
-    """It renewed producers without pause or end (thousands a second), was never
-    dead-lettered, and its partition's commit stayed where it was."""
-    from mmworker.publishing import RENEWALS_PER_RECORD, RenewableProducer
+def _handle_through_renewed_producers(kind: type[_GivesUpOnResults]) -> list[_GivesUpOnResults]:
+    """One record handled through a RenewableProducer that makes `kind`; every producer made,
+    after the handler finished with exit OK and the record's offset committable."""
+    from mmworker.publishing import RenewableProducer
 
     producers: list[_GivesUpOnResults] = []
 
     def make() -> _GivesUpOnResults:
-        producers.append(_GivesUpOnResults())
+        producers.append(kind())
         return producers[-1]
 
     cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
@@ -335,6 +335,13 @@ def test_a_result_every_new_producer_gives_up_on_is_dead_lettered_not_sent_forev
     asyncio.run(asyncio.wait_for(handler.handle(TP, _record()), 30))
     assert stopping.exit_code == ExitCode.OK, stopping
     assert tracker.to_commit() == {TP: 8}
+    return producers
+
+
+def test_a_result_every_new_producer_gives_up_on_is_dead_lettered_not_sent_forever() -> None:
+    """It renewed producers without pause or end (thousands a second), was never
+    dead-lettered, and its partition's commit stayed where it was."""
+    producers = _handle_through_renewed_producers(_GivesUpOnResults)
     (failure,) = [doc for p in producers for doc in p.on(DLQ)]
     assert failure["code"] == "publish_failed" and "InvalidTimestampError" in failure["message"]
     # the first, one new per refusal, and one that sent it alone
@@ -353,29 +360,16 @@ class _GivesUpOnOthers(_GivesUpOnResults):
         return Producer.send(self, topic, key=key, value=value, headers=headers)
 
 
-RENEWALS_TO_FAIL = 3  # the first producer and the two renewals: every one given up by others
+#: The first producer and each renewal: every one given up by the others in flight.
+RENEWALS_TO_FAIL = RENEWALS_PER_RECORD + 1
 
 
 def test_a_result_only_in_flight_when_others_were_refused_is_published_not_dead_lettered() -> None:
     """A fatal state fails every record in flight with the refused one's error. A result that
     happened to renew the producer twice was dead-lettered as publish_failed: its real answer
     was lost. Sent alone on a producer of its own, it goes through."""
-    from mmworker.publishing import RenewableProducer
-
-    producers: list[_GivesUpOnOthers] = []
     _GivesUpOnOthers.made = 0
-
-    def make() -> _GivesUpOnOthers:
-        producers.append(_GivesUpOnOthers())
-        return producers[-1]
-
-    cfg: WorkerConfig = load_config(kafka={"output_topic": OUTPUT, "dead_letter_topic": DLQ})
-    handler, stopping, tracker, _ = _handler_with(
-        cfg, Publisher(cfg.kafka, RenewableProducer(make))
-    )
-    asyncio.run(asyncio.wait_for(handler.handle(TP, _record()), 30))
-    assert stopping.exit_code == ExitCode.OK, stopping
-    assert tracker.to_commit() == {TP: 8}
+    producers = _handle_through_renewed_producers(_GivesUpOnOthers)
     assert [doc for p in producers for doc in p.on(DLQ)] == []
     (result,) = [doc for p in producers for doc in p.on(OUTPUT)]
     assert result["text"] and len(producers) == RENEWALS_TO_FAIL + 1
