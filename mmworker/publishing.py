@@ -179,6 +179,7 @@ class Publisher:
             except TOPIC_REFUSALS as exc:
                 raise TopicRefused(f"{outcome.topic}: {type(exc).__name__}: {exc}") from exc
             except KafkaError as exc:
+                error = exc  # or, after a probe, the probe's own failure
                 if await self.renew_if_given_up():
                     renewed += 1
                     if renewed < RENEWALS_PER_RECORD:
@@ -193,23 +194,18 @@ class Publisher:
                             outcome.kind,
                         )  # fmt: skip
                     except KafkaError as failed:  # not an answer about the record: again
-                        log.warning(
-                            "publish to %s alone failed (%s); retrying in %.1fs",
-                            outcome.topic, failed, delay,
-                        )  # fmt: skip
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 10.0)
-                        continue
-                    if refused is None:
-                        return
-                    raise PublishRefused(
-                        f"{type(refused).__name__}: {refused} (refused again by a producer that "
-                        "sent it alone)"
-                    ) from exc
-                if isinstance(exc, KafkaTimeoutError):  # no metadata: deleted since it was found?
+                        error = failed
+                    else:
+                        if refused is None:
+                            return
+                        raise PublishRefused(
+                            f"{type(refused).__name__}: {refused} (refused again by a producer "
+                            "that sent it alone)"
+                        ) from exc
+                if isinstance(error, KafkaTimeoutError):  # no metadata: deleted since it was found?
                     self._reply_topics.forget(outcome.topic)
                 log.warning(
-                    "publish to %s failed (%s); retrying in %.1fs", outcome.topic, exc, delay
+                    "publish to %s failed (%s); retrying in %.1fs", outcome.topic, error, delay
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)

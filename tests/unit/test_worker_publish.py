@@ -38,7 +38,7 @@ from mmworker.partitions import Partitions
 from mmworker.publishing import RENEWALS_PER_RECORD, Publisher
 from mmworker.records import Context
 from mmworker.stopping import Stopping
-from tests.unit.loopkit import Producer, Suspects
+from tests.unit.loopkit import Future, Producer, Suspects
 
 OUTPUT, DLQ = "out", "dlq"
 TP = TopicPartition("jobs", 0)
@@ -374,6 +374,36 @@ def test_a_result_only_in_flight_when_others_were_refused_is_published_not_dead_
     (result,) = [doc for p in producers for doc in p.on(OUTPUT)]
     assert result["text"] and len(producers) == RENEWALS_TO_FAIL + 1
     assert producers[-1].closed  # the one that sent it alone
+
+
+class _ProbeTimesOut(_GivesUpOnResults):
+    """Producers given up by others in flight, except the first one that sends the record
+    alone: it gets no answer in time (a transient error, no fatal state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = type(self).made  # 1 for the first producer made
+
+    def send(self, topic: str, *, key: bytes, value: bytes, headers: Any = None) -> Any:
+        n = self.index
+        if n == RENEWALS_TO_FAIL + 1:  # the first probe
+            return Future(KafkaTimeoutError("no answer in time"))
+        if self.fatal is None and n <= RENEWALS_TO_FAIL + 2:
+            self.fatal = InvalidTimestampError("another record's timestamp is out of range")
+        if self.fatal is not None:
+            raise self.fatal
+        return Producer.send(self, topic, key=key, value=value, headers=headers)
+
+
+def test_a_send_alone_that_gets_no_answer_is_retried_not_taken_for_a_refusal() -> None:
+    """A probe's own failure says nothing about the record: back off, send again, and ask
+    again alone."""
+    _ProbeTimesOut.made = 0
+    producers = _handle_through_renewed_producers(_ProbeTimesOut)
+    assert [doc for p in producers for doc in p.on(DLQ)] == []
+    (result,) = [doc for p in producers for doc in p.on(OUTPUT)]
+    assert result["text"] and len(producers) == RENEWALS_TO_FAIL + 3
+    assert producers[RENEWALS_TO_FAIL].closed and producers[-1].closed  # both probes
 
 
 def test_a_new_producer_that_cannot_reach_the_brokers_is_asked_for_again_later() -> None:
