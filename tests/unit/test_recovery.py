@@ -377,8 +377,6 @@ def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its
     import sys
     import time
 
-    import psutil
-
     from mmworker.config import EngineConfig
     from mmworker.engine import Engine
 
@@ -398,4 +396,3 @@ def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its
     assert engine.kill_core()
     assert child[0].wait(10) == -9
     assert not engine.kill_core()  # nothing of its own left running
-    assert psutil.pid_exists(child[0].pid) is False or child[0].returncode is not None
