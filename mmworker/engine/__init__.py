@@ -120,9 +120,7 @@ class Engine:
         self._last_progress = time.monotonic()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self._start()
-        self._core_procs = [
-            p for p in psutil.Process().children(recursive=True) if p.pid not in before
-        ]
+        self._core_procs = _started_core_processes(self._llm, before)
 
     def restart(self) -> float:
         """A new engine core in this process after the old one died: a death then costs an
@@ -459,6 +457,30 @@ def kv_size_of(config: Any) -> KvSize | None:
         log.info("KV cache size not kept (%s): the next start profiles", e)
         return None
     return KvSize(blocks=blocks, bytes=blocks * page * itemsize * layers + reserve)
+
+
+def _started_core_processes(llm: Any, before: set[int]) -> list[psutil.Process]:
+    """The processes of the core just started, with their own children (a multi-GPU engine's
+    executors), and a data-parallel coordinator: what a restart reaps and a stuck core's kill
+    hits. vLLM's process manager names them, so a preprocessing process spawned while the core
+    started (a pool recycle during an in-process restart) is not taken for part of the core. A
+    client with no manager (attached to a shared core) started none. Only where vLLM keeps its
+    manager elsewhere does every process that appeared during the start stand in."""
+    appeared = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    try:
+        resources = llm.engine_core.resources
+        manager, coordinator = resources.engine_manager, resources.coordinator
+        roots = {proc.pid for proc in manager.processes} if manager is not None else set()
+        if coordinator is not None:  # data parallel: the process that balances the cores
+            roots.add(coordinator.proc.pid)
+    except AttributeError as exc:
+        log.info("engine core processes not named by vLLM (%s): all new ones count", exc)
+        return appeared
+    procs = [p for p in appeared if p.pid in roots]
+    for root in list(procs):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs += [p for p in root.children(recursive=True) if p not in procs]
+    return procs
 
 
 def _reap(procs: list[psutil.Process], timeout_s: float) -> None:

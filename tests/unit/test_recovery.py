@@ -372,27 +372,79 @@ def test_the_gate_holds_jobs_beyond_the_cap_and_everyone_while_the_engine_is_dow
 
 def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its_own() -> None:
     """A request that outlived the old core's drain kept the engine's count above 0, so the
-    stall clock ran on from before the restart and the new core was killed as stuck at once."""
+    stall clock ran on from before the restart and the new core was killed as stuck at once.
+    Its own: the core vLLM's manager names and the core's children, not a process that merely
+    appeared while it started (a preprocessing pool's, recycled during an in-process restart)."""
     import subprocess
     import sys
     import time
+    from types import SimpleNamespace
+
+    import psutil
 
     from mmworker.config import EngineConfig
     from mmworker.engine import Engine
 
     engine = Engine(EngineConfig(), "tiny")
     engine._active, engine._last_progress = 3, 0.0  # stuck since long before the restart
-    child: list[subprocess.Popen[bytes]] = []
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started: dict[str, subprocess.Popen[bytes]] = {}
 
-    def fake_start() -> None:  # vLLM's start: a core process appears
-        child.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    def fake_start() -> None:  # vLLM's start: a core (with an executor of its own) appears
+        started["core"] = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(60)",
+            ]
+        )
+        started["pool"] = subprocess.Popen(sleep)  # a pool process spawned meanwhile
+        manager = SimpleNamespace(processes=[started["core"]])
+        resources = SimpleNamespace(engine_manager=manager, coordinator=None)
+        engine._llm = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
+        deadline = time.monotonic() + 30
+        while not psutil.Process(started["core"].pid).children():
+            assert time.monotonic() < deadline, "the core's executor never started"
+            time.sleep(0.05)
 
     engine._start = fake_start  # type: ignore[method-assign]
     before = time.monotonic()
-    engine.start()
-    inside, since = engine.progress()
-    assert inside == 3 and since >= before
-    assert [p.pid for p in engine._core_procs] == [child[0].pid]
-    assert engine.kill_core()
-    assert child[0].wait(10) == -9
-    assert not engine.kill_core()  # nothing of its own left running
+    try:
+        engine.start()
+        inside, since = engine.progress()
+        assert inside == 3 and since >= before
+        core = psutil.Process(started["core"].pid)
+        executor = core.children()[0]
+        assert {p.pid for p in engine._core_procs} == {core.pid, executor.pid}
+        assert engine.kill_core()
+        assert started["core"].wait(10) == -9
+        gone, _ = psutil.wait_procs([executor], timeout=10)  # killed (reaped, or a zombie)
+        assert gone or executor.status() == psutil.STATUS_ZOMBIE
+        assert started["pool"].poll() is None  # not the core's: still running
+        assert not engine.kill_core()  # nothing of its own left running
+    finally:
+        for proc in started.values():
+            proc.kill()
+            proc.wait(10)
+
+
+def test_core_processes_of_an_attached_client_are_none_and_an_unknown_client_falls_back() -> None:
+    """A front end attached to a shared core started no core of its own, even when a process
+    appeared meanwhile; a client whose manager is not where this vLLM keeps it falls back to
+    every process that appeared during the start."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from mmworker.engine import _started_core_processes
+
+    resources = SimpleNamespace(engine_manager=None, coordinator=None)
+    attached = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _started_core_processes(attached, before=set()) == []
+        fallback = _started_core_processes(SimpleNamespace(), before=set())
+        assert child.pid in {p.pid for p in fallback}
+    finally:
+        child.kill()
+        child.wait(10)
