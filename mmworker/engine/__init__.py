@@ -26,7 +26,7 @@ from PIL import Image
 
 from mmworker import lifeline
 from mmworker.config import TINY_MODEL, EngineConfig, tiny_model_dir
-from mmworker.engine import compile_key, frontend, pixels, shared_core
+from mmworker.engine import compile_key, encoder_widths, frontend, pixels, shared_core
 from mmworker.engine.guidance import ENGINE_STRUCTURED_OUTPUTS, Guide, sampling_kwargs
 from mmworker.engine.video_metadata import vllm_video_metadata
 from mmworker.errors import EngineFatal, RequestFailed
@@ -161,6 +161,8 @@ class Engine:
         # runs the plugins again (vLLM loads them once per process), and this process may have
         # loaded them before the worker armed its lifeline.
         compile_key.ignore_kv_size(CacheConfig)
+        if self._encoder_store is not None:
+            encoder_widths.skip_for_disk_store()
         t0 = time.monotonic()
         if self._core is not None:
             self._llm = shared_core.attach(
@@ -248,7 +250,7 @@ class Engine:
                     )
         if self._encoder_store is not None:
             kwargs["ec_transfer_config"] = {
-                "ec_connector": "DiskEncoderStore",
+                "ec_connector": encoder_widths.CONNECTOR,
                 "ec_connector_module_path": "mmworker.engine.encoder_store",
                 "ec_role": "ec_both",  # compute and save what is missing, load what is there
                 "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
