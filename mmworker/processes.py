@@ -230,6 +230,7 @@ def _run_shared(children: _Children) -> int:
     from mmworker.engine import (
         Engine,
         core_threads_env,
+        encoder_widths,
         engine_process_env,
         resolve_model,
         shared_core,
@@ -246,6 +247,8 @@ def _run_shared(children: _Children) -> int:
         progress_bars=cfg.logging.format == "text",  # the core loads the weights
         lanes=cfg.kafka.backfill_topic is not None,
     ).engine_kwargs()
+    if "ec_transfer_config" in kwargs:  # a core this process forks runs no plugin of its own
+        encoder_widths.skip_for_disk_store()
     started: list[tuple[BaseProcess, Event]] = []
 
     def start_clients(links: list[shared_core.CoreLink]) -> list[BaseProcess]:

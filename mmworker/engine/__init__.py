@@ -143,7 +143,7 @@ class Engine:
         """SIGKILL the running core's processes: how a core that is alive but stuck is made a
         death, so that the death path (suspects, a new core) runs as for a crash. False when
         this engine started no process of its own (a shared core belongs to its supervisor)."""
-        procs = [p for p in self._core_procs if p.is_running()]
+        procs = [p for p in self._core_procs if _alive(p)]
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
@@ -251,7 +251,7 @@ class Engine:
         if self._encoder_store is not None:
             kwargs["ec_transfer_config"] = {
                 "ec_connector": encoder_widths.CONNECTOR,
-                "ec_connector_module_path": "mmworker.engine.encoder_store",
+                "ec_connector_module_path": encoder_widths.CONNECTOR_MODULE,
                 "ec_role": "ec_both",  # compute and save what is missing, load what is there
                 "ec_connector_extra_config": {"shared_storage_path": str(self._encoder_store)},
             }
@@ -483,6 +483,15 @@ def _started_core_processes(llm: Any, before: set[int]) -> list[psutil.Process]:
         with contextlib.suppress(psutil.NoSuchProcess):
             procs += [p for p in root.children(recursive=True) if p not in procs]
     return procs
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie: a killed executor whose parent died first stays a zombie until
+    something reaps it, and killing it again says a live core was found."""
+    try:
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _reap(procs: list[psutil.Process], timeout_s: float) -> None:

@@ -12,8 +12,9 @@ never runs at start-up.
 
 Any other connector, or a configuration naming no connector, still gets vLLM's measurement.
 The patch is applied where the engine core runs: by the vLLM plugin hook in a worker's spawned
-core (`install`, in `vllm.general_plugins`), and by `Engine` before it starts one, which a
-forked core inherits.
+core (`install`, in `vllm.general_plugins`), and by `Engine` (or a shared core's supervisor)
+before it starts one, which a forked core inherits: vLLM loads plugins once per process, and a
+forked child inherits the "loaded" mark.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from mmworker.lifeline import ENV
 
 log = logging.getLogger(__name__)
 
-#: The worker's connector (`mmworker.engine.encoder_store.DiskEncoderStore`), by the name the
-#: engine's `ec_transfer_config` gives it.
+#: The worker's connector (`mmworker.engine.encoder_store.DiskEncoderStore`), by the name and
+#: module the engine's `ec_transfer_config` gives it.
 CONNECTOR = "DiskEncoderStore"
+CONNECTOR_MODULE = "mmworker.engine.encoder_store"
 _CORE_MODULE = "vllm.v1.engine.core"
 _FUNCTION = "measure_encoder_output_widths"
 _MARK = "_mmworker_skips_disk_store"
@@ -54,7 +56,11 @@ def skip_for_disk_store() -> bool:
 
     def measure(vllm_config: Any, collective_rpc: Any) -> None:
         ec_config = getattr(vllm_config, "ec_transfer_config", None)
-        if ec_config is not None and ec_config.ec_connector == CONNECTOR:
+        if (
+            ec_config is not None
+            and ec_config.ec_connector == CONNECTOR
+            and ec_config.ec_connector_module_path == CONNECTOR_MODULE
+        ):
             log.debug("encoder output widths not measured: %s reads none", CONNECTOR)
             return
         original(vllm_config, collective_rpc)

@@ -14,8 +14,12 @@ from mmworker.lifeline import ENV
 core = pytest.importorskip("vllm.v1.engine.core")
 
 
-def _config(connector: str | None) -> Any:
-    ec = None if connector is None else SimpleNamespace(ec_connector=connector)
+def _config(connector: str | None, module: str = encoder_widths.CONNECTOR_MODULE) -> Any:
+    ec = (
+        None
+        if connector is None
+        else SimpleNamespace(ec_connector=connector, ec_connector_module_path=module)
+    )
     return SimpleNamespace(ec_transfer_config=ec)
 
 
@@ -38,8 +42,12 @@ def test_only_the_workers_store_skips_the_measurement(measured: list[str]) -> No
     assert not encoder_widths.skip_for_disk_store()  # once: not wrapped twice
     for connector in (encoder_widths.CONNECTOR, "MooncakeECConnector", None):
         core.measure_encoder_output_widths(_config(connector), collective_rpc=None)
+    # A connector of the same name from another module may read the width.
+    core.measure_encoder_output_widths(
+        _config(encoder_widths.CONNECTOR, module="someone.elses"), collective_rpc=None
+    )
     # Mooncake sizes its transfers by the width: it is measured, as without a connector.
-    assert measured == ["MooncakeECConnector", "none"]
+    assert measured == ["MooncakeECConnector", "none", encoder_widths.CONNECTOR]
 
 
 @pytest.mark.parametrize("in_worker", [True, False])
@@ -63,6 +71,47 @@ def test_the_engine_names_the_connector_the_patch_looks_for(tmp_path: Path) -> N
     kwargs = Engine(EngineConfig(), "tiny", encoder_store=tmp_path).engine_kwargs()
     assert kwargs["ec_transfer_config"]["ec_connector"] == encoder_widths.CONNECTOR
     assert DiskEncoderStore.__name__ == encoder_widths.CONNECTOR
+
+
+def test_the_engine_skips_it_before_its_core_starts(
+    monkeypatch: pytest.MonkeyPatch, measured: list[str], tmp_path: Path
+) -> None:
+    """A forked core (the first start on a GPU) runs no plugin of its own: it inherits what the
+    worker's process has when vLLM's engine is built."""
+    import vllm.engine.arg_utils
+    import vllm.v1.engine.async_llm
+
+    import mmworker.engine as engine_module
+    from mmworker.config import EngineConfig
+    from mmworker.engine import Engine
+
+    seen: list[str] = []
+
+    class Built(Exception):
+        pass
+
+    class FakeAsyncLLM:
+        @classmethod
+        def from_engine_args(cls, args: Any, **_: Any) -> Any:
+            ec = SimpleNamespace(**args.ec_transfer_config)  # what vLLM's config makes of it
+            core.measure_encoder_output_widths(
+                SimpleNamespace(ec_transfer_config=ec), collective_rpc=None
+            )
+            seen.append(ec.ec_connector)
+            raise Built
+
+    monkeypatch.setattr(vllm.v1.engine.async_llm, "AsyncLLM", FakeAsyncLLM)
+    # The arguments as given: vLLM's own would look the model up.
+    monkeypatch.setattr(vllm.engine.arg_utils, "AsyncEngineArgs", SimpleNamespace)
+    # What else `_start` does to this process (its environment, vLLM's config class) is for
+    # other tests to check, and must not outlive this one.
+    monkeypatch.setattr(engine_module, "engine_process_env", lambda first_start=False: None)
+    monkeypatch.setattr(engine_module.compile_key, "ignore_kv_size", lambda _cls: False)
+    engine = Engine(EngineConfig(), "tiny", encoder_store=tmp_path)
+    with pytest.raises(Built):
+        engine._start()
+    assert seen == [encoder_widths.CONNECTOR]
+    assert measured == []  # skipped: the patch was in place when the core would have started
 
 
 def test_vllm_finds_the_plugin_in_every_process_it_starts() -> None:

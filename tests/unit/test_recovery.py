@@ -4,6 +4,7 @@ scripted runner and engine (the real engine's restart: tests/integration/test_wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -389,6 +390,7 @@ def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its
     engine._active, engine._last_progress = 3, 0.0  # stuck since long before the restart
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     started: dict[str, subprocess.Popen[bytes]] = {}
+    started_executor: list[psutil.Process] = []
 
     def fake_start() -> None:  # vLLM's start: a core (with an executor of its own) appears
         started["core"] = subprocess.Popen(
@@ -415,6 +417,7 @@ def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its
         assert inside == 3 and since >= before
         core = psutil.Process(started["core"].pid)
         executor = core.children()[0]
+        started_executor.append(executor)
         assert {p.pid for p in engine._core_procs} == {core.pid, executor.pid}
         assert engine.kill_core()
         assert started["core"].wait(10) == -9
@@ -426,6 +429,9 @@ def test_a_new_core_starts_with_a_fresh_stall_clock_and_kill_core_kills_only_its
         for proc in started.values():
             proc.kill()
             proc.wait(10)
+        for orphan in started_executor:  # left sleeping if the test failed before the kill
+            with contextlib.suppress(psutil.NoSuchProcess):
+                orphan.kill()
 
 
 def test_core_processes_of_an_attached_client_are_none_and_an_unknown_client_falls_back() -> None:
