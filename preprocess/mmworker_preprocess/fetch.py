@@ -362,6 +362,9 @@ def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
         return _resolve(target.host, target.port)  # no name server is asked
     answer: list[list[str] | Exception] = []
     done = threading.Event()
+    # The slot goes back to the semaphore it came from, even if the module's is replaced while
+    # the lookup runs (tests do): releasing the new one, full, raised in the lookup's thread.
+    slots = _LOOKUPS
 
     def run() -> None:
         try:
@@ -369,15 +372,15 @@ def _lookup(target: _Target, deadline: float, handle: FetchHandle) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - raised in the fetching thread, not lost
             answer.append(exc)
         finally:
-            _LOOKUPS.release()
+            slots.release()
             done.set()
 
-    while not _LOOKUPS.acquire(timeout=min(_LOOKUP_POLL_S, _remaining(deadline, target))):
+    while not slots.acquire(timeout=min(_LOOKUP_POLL_S, _remaining(deadline, target))):
         handle._check()
     try:
         threading.Thread(target=run, name="mmworker-dns", daemon=True).start()
     except RuntimeError:  # no thread to be had: the slot was not used
-        _LOOKUPS.release()
+        slots.release()
         raise
     while not done.wait(_LOOKUP_POLL_S):
         handle._check()

@@ -267,6 +267,26 @@ def test_lookups_that_hang_take_no_slot_from_address_literals_or_stopped_fetches
     assert fetch._LOOKUPS.acquire(timeout=5)
 
 
+def test_a_lookup_left_behind_gives_its_slot_back_where_it_took_it(hung_resolver, monkeypatch):
+    """Its thread released whatever semaphore the module held when the lookup ended: a test that
+    had swapped in a full one saw "Semaphore released too many times" raised in that thread."""
+    taken_from = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(fetch, "_LOOKUPS", taken_from)
+    with pytest.raises(FetchTimeout):
+        fetch_bytes(_ref("http://slow.example/a"), FetchPolicy(timeout_s=0.3))
+    full = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(fetch, "_LOOKUPS", full)
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    lookups = [t for t in threading.enumerate() if t.name == "mmworker-dns"]
+    hung_resolver.set()
+    for thread in lookups:
+        thread.join(5)
+    assert errors == []
+    assert taken_from.acquire(timeout=0)  # its slot came back
+    assert full.acquire(timeout=0) and not full.acquire(timeout=0)  # and this one is unchanged
+
+
 def test_unresolvable_host_fails_retryably(monkeypatch):
     def fail(host, port):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
