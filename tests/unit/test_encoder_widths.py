@@ -71,6 +71,7 @@ def test_the_engine_names_the_connector_the_patch_looks_for(tmp_path: Path) -> N
     kwargs = Engine(EngineConfig(), "tiny", encoder_store=tmp_path).engine_kwargs()
     assert kwargs["ec_transfer_config"]["ec_connector"] == encoder_widths.CONNECTOR
     assert DiskEncoderStore.__name__ == encoder_widths.CONNECTOR
+    assert DiskEncoderStore.__module__ == encoder_widths.CONNECTOR_MODULE
 
 
 def test_the_engine_skips_it_before_its_core_starts(
