@@ -35,6 +35,7 @@ from mmworker.devkit.tiny_model import build_tiny_model
 from mmworker.engine import Engine, EngineItem
 from mmworker.engine.encoder_store import FILE_NAME
 from mmworker.engine.identity import IDENTITY_FILE
+from mmworker.lifeline import ENV
 from tests.integration.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 
 pytestmark = [
@@ -111,6 +112,15 @@ def _captions(model: Path, store: Path, keys: list[str]) -> dict[str, Captions]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Runs:
+    """The engines start as a worker's do: with the lifeline's variable set, their spawned cores
+    load the worker's plugins in full (the store's start-up skips included, which saves the
+    width measurement's dummy encodes at each of the three starts)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENV, str(os.getpid()))
+        return _run_all(tmp_path_factory, tiny_model_dir)
+
+
+def _run_all(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Runs:
     work = tmp_path_factory.mktemp("identity")
     model_b = build_tiny_model(work / "tiny-b", seed=1)
     assert (model_b / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
