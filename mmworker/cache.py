@@ -19,10 +19,17 @@ On-disk entry (``<dir>/<key[:2]>/<key>.mmf``, all integers little-endian)::
     30      32    sha256 over bytes 0..29, dtype, shape, meta and the *uncompressed* payload
     62      ...   dtype (ASCII numpy dtype.str, e.g. "|u1")
             8*n   shape (uint64 each)
-            ...   meta (UTF-8 JSON: original_size, and for video timestamps/duration/fps...)
+            ...   meta (UTF-8 JSON: the entry's own key, original_size, and for video
+                  timestamps/duration/fps...)
             ...   zstd frame of the C-contiguous array bytes
 
 No pickle anywhere: a cache directory is only data, so a tampered file cannot execute code.
+
+The meta names the key the entry was written under, so a file that reaches another key's path
+(a copy or restore that renamed files, two directories merged by hand) is dropped as damage
+instead of serving one medium's frames for another: the checksum alone proves the file whole,
+not that it belongs where it lies. Entries from before the key was recorded have none and are
+read as before; the field is only added, so workers of either version share a directory.
 """
 
 from __future__ import annotations
@@ -475,6 +482,8 @@ class DiskFeatureCache:
             got_kind, array, meta = _decode(blob, self._codecs.dctx)
             if got_kind != kind:  # keys embed the kind, so this is damage, not a valid entry
                 raise _CorruptEntry(f"entry kind {got_kind}, wanted {kind}")
+            if meta.get("key", key) != key:
+                raise _CorruptEntry(f"written for key {str(meta['key'])[:16]}..., not this one")
             try:
                 value = build(array, meta)
             except (KeyError, TypeError, ValueError, OverflowError) as e:  # 1e999 as an int
@@ -515,7 +524,7 @@ class DiskFeatureCache:
             if key in self._index:
                 self._index.move_to_end(key)
                 return
-        blob = _encode(kind, array, meta, self._codecs.cctx)
+        blob = _encode(kind, array, {**meta, "key": key}, self._codecs.cctx)
         if len(blob) > self.max_bytes:
             with self._lock:
                 self._oversized += 1

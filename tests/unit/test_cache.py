@@ -408,6 +408,40 @@ def test_entry_of_the_wrong_kind_is_treated_as_corrupt(tmp_path: Path) -> None:
     assert c.stats().corrupt == 1 and not c.path_for(key).exists()
 
 
+def test_an_entry_under_another_keys_name_is_dropped_not_served(tmp_path: Path) -> None:
+    """A whole, checksum-valid file at the wrong path (a restore that renamed files) is damage:
+    served, it would caption one image with another's pixels."""
+    c = DiskFeatureCache(tmp_path, max_bytes=MB)
+    mine, other = key_for("mine"), key_for("other")
+    c.put_image(mine, noise_image(1))
+    c.path_for(other).parent.mkdir(parents=True, exist_ok=True)
+    c.path_for(other).write_bytes(c.path_for(mine).read_bytes())
+    fresh = DiskFeatureCache(tmp_path, max_bytes=MB)
+    assert fresh.get_image(other) is None
+    assert fresh.stats().corrupt == 1 and not fresh.path_for(other).exists()
+    got = fresh.get_image(mine)
+    assert got is not None and np.array_equal(got.pixels, noise_image(1).pixels)
+
+
+def test_an_entry_from_before_keys_were_recorded_is_still_a_hit(tmp_path: Path) -> None:
+    """Workers of the previous version share the directory during a rolling upgrade: their
+    entries have no key in the meta, and are read, not dropped."""
+    import zstandard
+
+    from mmworker.cache import _KIND_IMAGE, _encode
+
+    c = DiskFeatureCache(tmp_path, max_bytes=MB)
+    key, image = key_for("old"), noise_image(2)
+    meta = {"original_size": list(image.original_size)}
+    blob = _encode(_KIND_IMAGE, image.pixels, meta, zstandard.ZstdCompressor())
+    assert b'"key"' not in blob
+    c.path_for(key).parent.mkdir(parents=True, exist_ok=True)
+    c.path_for(key).write_bytes(blob)
+    got = c.get_image(key)
+    assert got is not None and got.original_size == image.original_size
+    assert np.array_equal(got.pixels, image.pixels) and c.stats().corrupt == 0
+
+
 def test_crashed_temp_file_is_cleaned_on_start_a_live_one_kept(tmp_path: Path) -> None:
     c1 = DiskFeatureCache(tmp_path, max_bytes=MB)
     key = key_for("t")
