@@ -32,8 +32,10 @@ def collector_off() -> Iterator[None]:
 
 
 def _frames_left() -> list[VideoFrame]:
-    """Decoded frames still allocated (the 2×2 copies that carry side data left out)."""
-    return [o for o in gc.get_objects() if isinstance(o, VideoFrame) and o.width * o.height > 4]
+    """Decoded frames still allocated (the 2×2 copies that carry side data left out). `type`, not
+    `isinstance`: isinstance reads `__class__` of every object alive, and one of torch's
+    deprecated module attributes warns when read (a FutureWarning once torch.distributed is in)."""
+    return [o for o in gc.get_objects() if type(o) is VideoFrame and o.width * o.height > 4]
 
 
 CLIPS: dict[str, Callable[[], bytes]] = {
