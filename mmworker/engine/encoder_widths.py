@@ -8,7 +8,8 @@ width (vLLM's Mooncake and CPU connectors size their transfers with it); the wor
 `DiskEncoderStore` saves and loads whole tensors and never asks. On a 2-core CPU host the two
 dummy encodes of the tiny test model were 10.2 s of a 31.5 s worker start (`mmworker demo`);
 on a GPU they are a largest-size video and image through the encoder, which a plain engine
-never runs at start-up.
+never runs at start-up. vLLM 0.25 has no such measurement: there `skip_for_disk_store` finds
+no function to wrap and leaves the core as it is.
 
 Any other connector, or a configuration naming no connector, still gets vLLM's measurement.
 The patch is applied where the engine core runs: by the vLLM plugin hook in a worker's spawned
