@@ -482,8 +482,8 @@ class DiskFeatureCache:
             got_kind, array, meta = _decode(blob, self._codecs.dctx)
             if got_kind != kind:  # keys embed the kind, so this is damage, not a valid entry
                 raise _CorruptEntry(f"entry kind {got_kind}, wanted {kind}")
-            if meta.get("key", key) != key:
-                raise _CorruptEntry(f"written for key {str(meta['key'])[:16]}..., not this one")
+            if meta.get("key", key) != key:  # the value is left out: any JSON could sit there
+                raise _CorruptEntry("written under another key")
             try:
                 value = build(array, meta)
             except (KeyError, TypeError, ValueError, OverflowError) as e:  # 1e999 as an int
