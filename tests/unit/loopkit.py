@@ -244,10 +244,10 @@ class Clients:
 Behaviour = Callable[[SourceCoords], Awaitable[None]]
 
 
-def config(**limits: Any) -> WorkerConfig:
+def config(commit_interval_s: float = 0.05, **limits: Any) -> WorkerConfig:
     cfg: WorkerConfig = load_config(
         kafka={"input_topic": INPUT, "output_topic": OUTPUT, "dead_letter_topic": DLQ,
-               "commit_interval_s": 0.05},
+               "commit_interval_s": commit_interval_s},
         limits={"shutdown_grace_s": 5, **limits},
     )  # fmt: skip
     return cfg
@@ -291,9 +291,10 @@ class ScriptedRunner(JobRunner):
 
 def make_worker(
     consumer: Consumer, behave: Behaviour, producer: Producer | None = None,
-    suspects: Suspects | None = None, **limits: Any,
+    suspects: Suspects | None = None, commit_interval_s: float = 0.05, **limits: Any,
 ) -> tuple[Worker, ScriptedRunner, Producer, Suspects, Metrics]:  # fmt: skip
-    cfg = config(**limits)
+    """`commit_interval_s`: long, when a test must know that only the revoke and stop commit."""
+    cfg = config(commit_interval_s, **limits)
     metrics = Metrics()
     runner = ScriptedRunner(cfg, metrics, behave)
     producer = producer or Producer()
