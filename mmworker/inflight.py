@@ -47,7 +47,10 @@ class LiveJobs:
         self._tasks: dict[Key, asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        """Tasks not ended yet. One that has just ended leaves the registry only in its done
+        callback, a loop iteration later; counted meanwhile, it would also be counted by
+        `OffsetTracker.uncommitted`, and `Worker.held` would read one job too many."""
+        return sum(not task.done() for task in self._tasks.values())
 
     def start(self, key: Key, job: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(job)
