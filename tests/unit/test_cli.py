@@ -691,9 +691,11 @@ def test_the_progress_summary_reads_the_metrics(caplog: pytest.LogCaptureFixture
 
     async def two_rounds() -> None:
         task = asyncio.create_task(_summarise_forever(metrics, every_s=0.05))
-        await asyncio.sleep(0.08)
+        async with asyncio.timeout(30):
+            while not caplog.records:  # the first round has logged (a busy host may be late)
+                await asyncio.sleep(0.005)
         metrics.in_flight.set(0)
-        await asyncio.sleep(0.1)  # nothing new, nothing held: no line
+        await asyncio.sleep(0.15)  # nothing new, nothing held: no line
         task.cancel()
 
     with caplog.at_level(logging.INFO, logger="mmworker.app"):

@@ -159,7 +159,9 @@ def handler(signum, frame):
     if seen:
         os._exit(130)
     seen.append(signum)
+    caught.set()
 signal.signal(signal.SIGTERM, handler)
+ready.set()
 while not seen:
     time.sleep(0.02)
 time.sleep(1.0)
@@ -167,21 +169,31 @@ os._exit(0)
 """
 
 
-def _drainers(count: int, stopping: bool) -> _Children:
+def _drainers(count: int, stopping: bool) -> tuple[_Children, list[Any]]:
+    """The children, once their handlers are installed, and for each an event set when it has
+    taken its first SIGTERM (the tests wait on these, not on a sleep: a spawned child on a busy
+    2-core host can take over a second to start)."""
     children = _Children(load_config(limits={"shutdown_grace_s": 5}), lambda: stopping)
+    caught = []
     for index in range(count):
-        child = children.ctx.Process(target=exec, args=(DRAINS, {}), name=f"mmworker-{index}")
+        ready, caught_one = children.ctx.Event(), children.ctx.Event()
+        child = children.ctx.Process(
+            target=exec,
+            args=(DRAINS, {"ready": ready, "caught": caught_one}),
+            name=f"mmworker-{index}",
+        )
         child.start()
         children.procs.append(child)
-    time.sleep(1.0)  # their handlers are installed
-    return children
+        assert ready.wait(60), "the stand-in did not install its handler"
+        caught.append(caught_one)
+    return children, caught
 
 
 def test_a_stop_during_start_up_lets_the_children_drain_and_the_set_exits_0() -> None:
     """The supervisor passed the stop on (`run_processes`' `forward`); taking the set down must
     not send a second SIGTERM (exit 130, undrained), and children that stopped as asked are no
     start failure: `mmworker run` exits 0, as with one process."""
-    children = _drainers(2, stopping=True)
+    children, _ = _drainers(2, stopping=True)
     children.send(signal.SIGTERM, once=True)  # what forward does with the first stop
     code = children.start_failed(children.procs[0], children.ctx.Event())
     assert [c.exitcode for c in children.procs] == [0, 0]
@@ -191,18 +203,18 @@ def test_a_stop_during_start_up_lets_the_children_drain_and_the_set_exits_0() ->
 def test_a_stop_during_a_bring_down_does_not_cut_the_siblings_drain_short() -> None:
     """A sibling failed, so the others were sent SIGTERM and drain; the orchestrator's own stop
     (a failed probe, a rollout) arriving then must not reach them as a second one."""
-    children = _drainers(1, stopping=False)
+    children, caught = _drainers(1, stopping=False)
     children.send(signal.SIGTERM, once=True)  # the bring-down (`terminate`)
-    time.sleep(0.3)  # two pending SIGTERMs would reach the child as one
+    assert caught[0].wait(30)  # taken: two pending SIGTERMs would reach the child as one
     children.send(signal.SIGTERM, once=True)  # the stop `forward` passes on first
     children.procs[0].join(10)
     assert children.procs[0].exitcode == 0
 
 
 def test_a_second_stop_asked_of_the_supervisor_is_passed_on_as_one() -> None:
-    children = _drainers(1, stopping=True)
+    children, caught = _drainers(1, stopping=True)
     children.send(signal.SIGTERM, once=True)
-    time.sleep(0.3)
+    assert caught[0].wait(30)
     children.send(signal.SIGTERM, once=False)  # forward, stopping already
     children.procs[0].join(10)
     assert children.procs[0].exitcode == 130

@@ -28,8 +28,8 @@ def test_each_phase_is_logged_as_it_starts_and_the_summary_adds_up(
     ]
     assert phases.took["imports and config"] >= 5.0
     assert phases.took["loading the model"] >= 0.05
-    total = float(summary.split("ready ")[1].split("s after")[0])
-    assert total >= sum(phases.took.values()) >= 5.05
+    total = float(summary.split("ready ")[1].split("s after")[0])  # rounded to 0.1 s
+    assert total + 0.05 >= sum(phases.took.values()) >= 5.05
     assert "joining the group" in summary  # the phase still running is in the line too
 
 

@@ -339,7 +339,7 @@ def test_a_compile_past_the_time_limit_is_refused_and_remembered(
     # Timed inside the loop: asyncio.run's exit then waits for the stuck thread's sleep, and on a
     # loaded machine (a fast-tier run at load average 13) that pushed the whole call past 0.9 s.
     took = asyncio.run(twice())
-    assert len(slow) == 1 and took < 0.9
+    assert len(slow) == 1 and took < 1.5  # two stuck compiles: 2 s
 
 
 def test_building_the_tokenizer_tables_does_not_count_in_a_schemas_limit(

@@ -90,13 +90,15 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
     """A stop that lands while a newcomer's join is pending: the stop's commit is refused
     (RebalanceInProgress) and there is no later round, so without rejoining first the next
     owner would redo every answered job. The worker's poll is held until its own heartbeat has
-    seen the rebalance, so the stop falls into it every time, not by luck."""
+    seen the rebalance, then polls once (its rejoin starts) and is held again until the stop
+    is asked, so the stop falls into the rejoin every time, not by luck."""
     caplog.set_level(logging.INFO, logger="mmworker.worker")
     cfg = _config(broker.bootstrap, uuid.uuid4().hex[:6])
     ensure_worker_topics(cfg.kafka, 2)
     _post_jobs(broker.bootstrap, cfg, 40, 2)
 
     hold, caught, leave = threading.Event(), threading.Event(), threading.Event()
+    stopped = threading.Event()
     real_poll = worker_module.poll
     polled: list[Any] = []  # the worker's consumer, as its polls pass it
 
@@ -107,8 +109,13 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
             while not rebalance_pending(consumer) and time.monotonic() < deadline:
                 time.sleep(0.05)
             hold.clear()
+            # One real poll starts this member's rejoin (the broker holds joins for seconds),
+            # and the stop is asked before the next: a commit then is refused. Before the
+            # rejoin starts, the broker still takes commits, and the stop would not meet it.
+            batches = real_poll(consumer, timeout_ms, max_records)
             caught.set()
-            return {}
+            stopped.wait(40)
+            return batches
         return real_poll(consumer, timeout_ms, max_records)
 
     monkeypatch.setattr(worker_module, "poll", held_poll)
@@ -132,6 +139,7 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
         assert await asyncio.to_thread(caught.wait, 40)
         assert rebalance_pending(polled[0]), "the heartbeat never saw it"
         worker.request_stop()
+        stopped.set()
         code = await task
         leave.set()
         await asyncio.to_thread(joiner.join)
