@@ -47,9 +47,13 @@ class LiveJobs:
         self._tasks: dict[Key, asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
-        """Tasks not ended yet. One that has just ended leaves the registry only in its done
-        callback, a loop iteration later; counted meanwhile, it would also be counted by
-        `OffsetTracker.uncommitted`, and `Worker.held` would read one job too many."""
+        return len(self._tasks)
+
+    def running(self) -> int:
+        """Tasks not ended yet, on the event loop only (`len` is the one the metrics thread
+        may read). One that has just ended leaves the registry in its done callback, a loop
+        iteration later; meanwhile `OffsetTracker.uncommitted` counts it too, and `Worker.held`
+        read one job too many."""
         return sum(not task.done() for task in self._tasks.values())
 
     def start(self, key: Key, job: Coroutine[Any, Any, None]) -> None:

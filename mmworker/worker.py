@@ -143,7 +143,7 @@ class Worker:
     def held(self) -> int:
         """Jobs not yet covered by a commit: live tasks plus answered-but-uncommitted ones, which
         bounds redelivery after a crash by `limits.max_in_flight`."""
-        return len(self._live) + self.tracker.uncommitted()
+        return self._live.running() + self.tracker.uncommitted()
 
     def request_stop(self) -> None:
         """As SIGTERM: take no new records, finish the jobs in flight (up to
