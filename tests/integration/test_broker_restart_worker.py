@@ -33,7 +33,9 @@ def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(
     tmp_path: Path, fault: str
 ) -> None:
     """`restart`: SIGTERM, 5 s down, a new broker on the same port and store. `freeze`: SIGSTOP
-    for 8 s, then SIGCONT (a hung broker: connections are accepted, nothing is answered)."""
+    for 8 s, and longer until the worker has said so, then SIGCONT (a hung broker: connections
+    are accepted, nothing is answered; its probe waits 5 s for an answer, so on a slow host
+    it could still be waiting at 8 s and see the broker answer)."""
     with ObjectStore() as store:
         broker = EmbeddedBroker(store=store).start()
         worker = None
@@ -67,6 +69,11 @@ def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(
                 assert broker.pid is not None
                 os.kill(broker.pid, signal.SIGSTOP)
                 time.sleep(8)
+                said = time.monotonic() + 30
+                while time.monotonic() < said and "lost the Kafka brokers" not in (
+                    worker.log_path.read_text(errors="replace")
+                ):
+                    time.sleep(0.2)
                 os.kill(broker.pid, signal.SIGCONT)
             print(f"\nbroker down {time.monotonic() - down_at:.1f}s")
             collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])

@@ -50,7 +50,7 @@ def test_submit_a_directory_then_tail_it_back(broker: EmbeddedBroker, tmp_path: 
     assert sorted(Path(src).name for _, src in lines) == ["a.jpg", "b.png", "clip.mp4", "photo.bin"]
 
     read = _cli("tail", "--bootstrap-servers", broker.bootstrap, "--topics", topic, "--json",
-                "--timeout", "5")  # fmt: skip
+                "--timeout", "10")  # fmt: skip  # idle seconds, counted from before it connects
     assert read.returncode == 0, read.stderr
     jobs = [Job.model_validate(json.loads(ln)) for ln in read.stdout.splitlines()]
     assert {j.job_id for j in jobs} == {job_id for job_id, _ in lines}

@@ -61,7 +61,9 @@ def test_submit_sends_task_and_response_format_and_draws_no_bar_off_a_terminal(
     ids = [line.split("\t")[0] for line in (many.stdout + one.stdout).splitlines()]
     cfg = WorkerConfig(kafka=KafkaConfig(bootstrap_servers=broker.bootstrap))
     with Client(cfg) as client:
-        jobs = [Job.model_validate_json(r.value) for r in client.records([topic], idle_timeout_s=3)]
+        jobs = [
+            Job.model_validate_json(r.value) for r in client.records([topic], idle_timeout_s=10)
+        ]
     assert [j.job_id for j in jobs] == ids
     assert all(j.task == "tags" for j in jobs)
     expected = ChoiceFormat(type="choice", choices=["indoor", "outdoor"])

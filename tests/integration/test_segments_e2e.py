@@ -8,10 +8,13 @@ clip posted again is captioned from cached segments only, with the same captions
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 
 import jsonschema
 import pytest
 from mmworker_schemas import Job, MediaRef
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import Service
 from tests.integration.structured_tasks import SCENE
@@ -52,6 +55,28 @@ def _jobs(clip: bytes) -> list[tuple[str, bytes]]:
         ),
     ]  # type: ignore[arg-type]  # fmt: skip
     return [(j.job_id, j.model_dump_json(exclude_defaults=True).encode()) for j in jobs]
+
+
+def _cache_bytes(port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for family in text_string_to_metric_families(body):
+        if family.name == "mmworker_feature_cache_bytes":
+            return float(family.samples[0].value)
+    raise AssertionError("no mmworker_feature_cache_bytes")
+
+
+def _wait_for_cache_writes(port: int) -> None:
+    """Segments are written to the feature cache by one low-priority thread after they are
+    captioned, not awaited by the job: on two busy cores the last writes can trail the answers.
+    Settled = the cache's size unchanged for 2 s."""
+    deadline = time.monotonic() + 120
+    last, still_since = _cache_bytes(port), time.monotonic()
+    while time.monotonic() - still_since < 2.0:
+        assert time.monotonic() < deadline, "the feature cache kept growing for 120 s"
+        time.sleep(0.25)
+        now = _cache_bytes(port)
+        if now != last:
+            last, still_since = now, time.monotonic()
 
 
 @pytest.mark.timeout(START_S + 600)  # the shared worker may start inside it (up to 300 s)
@@ -112,6 +137,7 @@ def test_ten_minute_clip_in_scene_and_fixed_segments(service: Service) -> None:
         for job_id, value in jobs
         if job_id in ("seg-scenes", "seg-fixed")
     ]
+    _wait_for_cache_writes(service.port)
     collector = Collector(
         service.broker.bootstrap, [topics["output"], topics["dlq"]], from_now=True
     )

@@ -101,8 +101,10 @@ def _start_with_the_segmented_job_inside(
     broker: EmbeddedBroker, tmp_path: Path, name: str, extra: dict[str, object]
 ) -> tuple[WorkerProcess, Collector, dict[str, str], str, list[tuple[str, bytes]], Posted]:
     """A worker with its own suspects topic, the jobs posted, and the segmented job still
-    running once the first image is back (the images are quick; the 60 segments are not). That
-    it was inside the engine is checked afterwards through the suspects topic, not assumed."""
+    running once every image is back (the images are quick; the 60 segments are not) and its
+    segments are being captioned. That it was inside the engine is checked afterwards through
+    the suspects topic, not assumed. Every image answered first: one still inside at the kill
+    would be a second job in the death's count."""
     topics = make_topics(broker.bootstrap, name)
     suspects = f"{name}-{uuid.uuid4().hex[:6]}.suspects"
     group = f"{name}-{uuid.uuid4().hex[:6]}"
@@ -116,7 +118,8 @@ def _start_with_the_segmented_job_inside(
         worker.__enter__()
         _wait_for_log(worker, "assigned [", 300)
         post(broker.bootstrap, topics["input"], jobs, posted)
-        collector.wait_for({"img-0"}, 120, worker)
+        collector.wait_for({f"img-{i}" for i in range(IMAGES)}, 120, worker)
+        _wait_for_log(worker, "job seg-killed: segment", 120)
         assert "seg-killed" not in collector.by_job, "the segmented job ended before the kill"
     except BaseException:
         worker.__exit__(None, None, None)
