@@ -2,12 +2,14 @@
 
 "In flight" has one meaning: the live-task registry (`LiveJobs`), keyed by partition and offset.
 A task leaves it only when it has ended, also when it was cancelled for a revoked partition, so
-the in-flight limit holds across rebalances. Every way a task can end is accounted for
+the in-flight limit holds across rebalances. The limit counts the tasks not ended yet
+(`LiveJobs.running`); the registry's size, which the metrics thread reads, may still include one
+that has just ended, for a loop iteration. Every way a task can end is accounted for
 (`RecordHandler.handle`): a delivered outcome, a cancellation, or a fatal stop with a documented
 exit code; none is silent.
 
-Threads: the event loop only; kafka-python's network thread reaches `LiveJobs.cancel` through
-`loop.call_soon_threadsafe` (`worker.Worker`)."""
+Threads: the event loop only, but for the metrics thread's `len(LiveJobs)`; kafka-python's
+network thread reaches `LiveJobs.cancel` through `loop.call_soon_threadsafe` (`worker.Worker`)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,9 @@ class LiveJobs:
     def running(self) -> int:
         """Tasks not ended yet, on the event loop only (`len` is the one the metrics thread
         may read). One that has just ended leaves the registry in its done callback, a loop
-        iteration later; meanwhile `OffsetTracker.uncommitted` counts it too, and `Worker.held`
-        read one job too many."""
+        iteration later; meanwhile `OffsetTracker.uncommitted` counts its answered offset too,
+        and `Worker.held` read one job too many. (A suspect's job, which clears its record
+        after it is answered, is still counted twice while it does: the safe direction.)"""
         return sum(not task.done() for task in self._tasks.values())
 
     def start(self, key: Key, job: Coroutine[Any, Any, None]) -> None:

@@ -190,6 +190,8 @@ class Worker:
         next_commit = time.monotonic() + k.commit_interval_s
         while not self._stopping.requested:
             await self._throttle(stream.partitions)
+            if self._stopping.requested:  # asked while throttled, or a job's fatal end: no poll
+                break
             # One poll takes records from one partition's batch: at most a share, so that the
             # next poll, with that partition paused, brings another's (`flow`).
             room = max(1, min(limits.max_in_flight - self.held(), self._share))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -81,6 +82,36 @@ def test_commit_waits_for_the_lowest_unfinished_offset() -> None:
         return await task
 
     assert asyncio.run(scenario()) == ExitCode.OK
+
+
+def test_a_stop_asked_while_the_poll_is_planned_takes_no_more_records() -> None:
+    """The stop (a signal, or a job's fatal end) lands while the loop plans its pauses, after
+    the loop's check: the poll that followed took records only to drain them, or, after a fatal
+    end, started them past `max_in_flight` to be abandoned."""
+    consumer = Consumer({0: 50})
+
+    async def behave(_s: SourceCoords) -> None:
+        await asyncio.sleep(0.01)
+
+    worker, _, _, _, _ = make_worker(consumer, behave)
+    polls_at_stop: list[int] = []
+    real_paused = consumer.paused
+
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+
+        def paused() -> set[TopicPartition]:  # on the Kafka thread, inside the loop's planning
+            if len(consumer.max_records_seen) >= 2 and not polls_at_stop:
+                polls_at_stop.append(len(consumer.max_records_seen))
+                loop.call_soon_threadsafe(worker.request_stop)
+                time.sleep(0.2)  # the stop is in before the planning returns
+            return real_paused()
+
+        consumer.paused = paused  # type: ignore[method-assign]
+        return await worker.run()
+
+    assert asyncio.run(scenario()) == ExitCode.OK
+    assert polls_at_stop and len(consumer.max_records_seen) == polls_at_stop[0]
 
 
 @pytest.mark.parametrize("how", ["revoke", "lose"])
