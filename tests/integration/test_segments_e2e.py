@@ -61,7 +61,7 @@ def _cache_bytes(port: int) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for family in text_string_to_metric_families(body):
         if family.name == "mmworker_feature_cache_bytes":
-            return float(family.samples[0].value)
+            return float(sum(s.value for s in family.samples))  # one per worker process
     raise AssertionError("no mmworker_feature_cache_bytes")
 
 

@@ -120,6 +120,7 @@ def _start_with_the_segmented_job_inside(
         post(broker.bootstrap, topics["input"], jobs, posted)
         collector.wait_for({f"img-{i}" for i in range(IMAGES)}, 120, worker)
         _wait_for_log(worker, "job seg-killed: segment", 120)
+        collector.pump(200)
         assert "seg-killed" not in collector.by_job, "the segmented job ended before the kill"
     except BaseException:
         worker.__exit__(None, None, None)

@@ -139,16 +139,18 @@ def test_segments_preempted_together_give_back_their_overlapping_engine_time_onc
             assert first is not None
             t0 = loop.time()
             await asyncio.sleep(0.2)
+            before = loop.time() - t0
             for since in (t0, t0 + 0.05, t0 + 0.1, t0 + 0.15):  # four segments, one preemption
                 clock.credit(since=since)
-            once, elapsed = clock.waited_s, loop.time() - t0
+            once, after = clock.waited_s, loop.time() - t0
             # The union, since t0 (a loaded host's sleep may overshoot its 0.2 s); summed, the
             # four spans would be 4x that less 0.3 s.
-            assert elapsed >= 0.19 and abs(once - elapsed) < 0.01, (once, elapsed)
+            assert before >= 0.19 and before <= once <= after, (before, once, after)
             await asyncio.sleep(0.1)
+            before = loop.time() - t0
             clock.credit(since=t0 + 0.1)  # a later preemption: only its span past the last one
-            total, elapsed = clock.waited_s, loop.time() - t0
-            assert abs(total - elapsed) < 0.01, (total, elapsed)
+            total, after = clock.waited_s, loop.time() - t0
+            assert before <= total <= after, (before, total, after)
             when = limit.when()
             assert when is not None
             assert abs((when - first) - clock.waited_s) < 1e-6  # the limit moved by as much

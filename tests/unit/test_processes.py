@@ -181,6 +181,7 @@ def _drainers(count: int, stopping: bool) -> tuple[_Children, list[Any]]:
             target=exec,
             args=(DRAINS, {"ready": ready, "caught": caught_one}),
             name=f"mmworker-{index}",
+            daemon=True,  # a failed wait below must not leave one waiting for a SIGTERM forever
         )
         child.start()
         children.procs.append(child)

@@ -136,14 +136,17 @@ def test_a_worker_stopped_while_the_group_rebalances_commits_its_answers_before_
             target=_newcomer, args=(cfg, broker.bootstrap, newcomer_owned, 60.0, leave)
         )
         joiner.start()
-        assert await asyncio.to_thread(caught.wait, 40)
-        assert rebalance_pending(polled[0]), "the heartbeat never saw it"
-        worker.request_stop()
-        stopped.set()
-        code = await task
-        leave.set()
-        await asyncio.to_thread(joiner.join)
-        return code
+        try:
+            assert await asyncio.to_thread(caught.wait, 40)
+            assert rebalance_pending(polled[0]), "the heartbeat never saw it"
+            worker.request_stop()
+            stopped.set()
+            return await task
+        finally:  # a failed check above must not leave the Kafka thread held or the newcomer in
+            worker.request_stop()
+            stopped.set()
+            leave.set()
+            await asyncio.to_thread(joiner.join)
 
     assert asyncio.run(scenario()) == ExitCode.OK
     reader = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id=cfg.kafka.group_id,
