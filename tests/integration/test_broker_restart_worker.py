@@ -20,7 +20,14 @@ from mmworker.broker_watch import CONNECTION_NOISE
 from mmworker.devkit.broker import EmbeddedBroker
 from mmworker.devkit.object_store import ObjectStore
 from mmworker.devkit.samples import sample_image
-from tests.integration.workerkit import Collector, Posted, WorkerProcess, make_topics, post
+from tests.integration.workerkit import (
+    Collector,
+    Posted,
+    WorkerProcess,
+    make_topics,
+    post,
+    wait_for_log,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -69,11 +76,7 @@ def test_the_worker_rides_out_a_broker_restart_and_loses_nothing(
                 assert broker.pid is not None
                 os.kill(broker.pid, signal.SIGSTOP)
                 time.sleep(8)
-                said = time.monotonic() + 30
-                while time.monotonic() < said and "lost the Kafka brokers" not in (
-                    worker.log_path.read_text(errors="replace")
-                ):
-                    time.sleep(0.2)
+                wait_for_log(worker, "lost the Kafka brokers", 30)
                 os.kill(broker.pid, signal.SIGCONT)
             print(f"\nbroker down {time.monotonic() - down_at:.1f}s")
             collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import jsonschema
 import pytest
 from mmworker_schemas import Job, MediaRef
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import Service
 from tests.integration.structured_tasks import SCENE
-from tests.integration.workerkit import Collector, Posted, post
+from tests.integration.workerkit import Collector, Posted, metric_sum, post
 from tests.media_scenes import scene_video
 
 pytestmark = pytest.mark.integration
@@ -57,24 +55,16 @@ def _jobs(clip: bytes) -> list[tuple[str, bytes]]:
     return [(j.job_id, j.model_dump_json(exclude_defaults=True).encode()) for j in jobs]
 
 
-def _cache_bytes(port: int) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for family in text_string_to_metric_families(body):
-        if family.name == "mmworker_feature_cache_bytes":
-            return float(sum(s.value for s in family.samples))  # one per worker process
-    raise AssertionError("no mmworker_feature_cache_bytes")
-
-
 def _wait_for_cache_writes(port: int) -> None:
     """Segments are written to the feature cache by one low-priority thread after they are
     captioned, not awaited by the job: on two busy cores the last writes can trail the answers.
     Settled = the cache's size unchanged for 2 s."""
     deadline = time.monotonic() + 120
-    last, still_since = _cache_bytes(port), time.monotonic()
+    last, still_since = metric_sum(port, "mmworker_feature_cache_bytes"), time.monotonic()
     while time.monotonic() - still_since < 2.0:
         assert time.monotonic() < deadline, "the feature cache kept growing for 120 s"
         time.sleep(0.25)
-        now = _cache_bytes(port)
+        now = metric_sum(port, "mmworker_feature_cache_bytes")
         if now != last:
             last, still_since = now, time.monotonic()
 

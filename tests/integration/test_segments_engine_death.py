@@ -33,6 +33,7 @@ from tests.integration.workerkit import (
     post,
     process_tree,
     still_alive,
+    wait_for_log,
 )
 from tests.media_scenes import scene_video
 
@@ -82,14 +83,6 @@ def _suspect_records(bootstrap: str, topic: str) -> list[tuple[str, dict[str, ob
         consumer.close()
 
 
-def _wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in worker.log_path.read_text(errors="replace"):
-        assert worker.proc is not None and worker.proc.poll() is None, worker.log()
-        assert time.monotonic() < deadline, f"{text!r} not logged\n{worker.log()}"
-        time.sleep(0.1)
-
-
 def _engine_core(worker: WorkerProcess) -> psutil.Process:
     assert worker.proc is not None
     cores = [p for p in process_tree(worker.proc.pid) if is_engine_core(p)]
@@ -116,10 +109,10 @@ def _start_with_the_segmented_job_inside(
     posted = Posted()
     try:
         worker.__enter__()
-        _wait_for_log(worker, "assigned [", 300)
+        wait_for_log(worker, "assigned [", 300)
         post(broker.bootstrap, topics["input"], jobs, posted)
         collector.wait_for({f"img-{i}" for i in range(IMAGES)}, 120, worker)
-        _wait_for_log(worker, "job seg-killed: segment", 120)
+        wait_for_log(worker, "job seg-killed: segment", 120)
         collector.pump(200)
         assert "seg-killed" not in collector.by_job, "the segmented job ended before the kill"
     except BaseException:
@@ -184,7 +177,7 @@ def test_engine_core_killed_during_the_sigterm_drain_is_replaced_and_the_job_fin
         assert worker.proc is not None
         tree = process_tree(worker.proc.pid)
         worker.signal(signal.SIGTERM)
-        _wait_for_log(worker, "draining", 30)
+        wait_for_log(worker, "draining", 30)
         core.send_signal(signal.SIGKILL)
         assert worker.wait(180) == 0, worker.log()
         log = worker.log_path.read_text(errors="replace")

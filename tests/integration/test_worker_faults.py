@@ -31,6 +31,7 @@ from tests.integration.workerkit import (
     post,
     process_tree,
     still_alive,
+    wait_for_log,
 )
 
 pytestmark = pytest.mark.integration
@@ -43,18 +44,6 @@ def _job(job_id: str, gen: GenerationParams, prompt: str | None = None) -> tuple
     image = sample_image(width=112, height=112, seed=zlib.crc32(job_id.encode()) % 1000)
     job = Job(job_id=job_id, media=[MediaRef(data=image)], generation=gen, prompt=prompt)
     return job.job_id, job.model_dump_json().encode()
-
-
-def _wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in worker.log_path.read_text(errors="replace"):
-            return
-        assert worker.proc is not None
-        if worker.proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not logged\n{worker.log()}")
 
 
 @pytest.mark.timeout(900)
@@ -88,9 +77,9 @@ def test_a_job_that_kills_the_engine_is_dead_lettered_and_its_batch_mates_are_an
         # Both members must hold partitions before the killer can be fetched (a rebalance in
         # the middle would hand its partition over, which is test_worker_crash's subject).
         for w in workers:
-            _wait_for_log(w, "consuming", 300)
+            wait_for_log(w, "consuming", 300)
         for w in workers:
-            _wait_for_log(w, "assigned [", 120)
+            wait_for_log(w, "assigned [", 120)
         post(broker.bootstrap, topics["input"], jobs, Posted())
         wanted = {job_id for job_id, _ in jobs}
         deadline = time.monotonic() + 600
@@ -142,7 +131,7 @@ def test_ctrl_c_to_the_process_group_publishes_no_cut_off_caption_and_seeded_job
     collector = Collector(broker.bootstrap, [topics["output"], topics["dlq"]])
     extra = {"limits.shutdown_grace_s": 120}
     with WorkerProcess(broker.bootstrap, tmp_path, topics, group, extra) as worker:
-        _wait_for_log(worker, "consuming", 300)
+        wait_for_log(worker, "consuming", 300)
         post(broker.bootstrap, topics["input"], jobs, Posted())
         deadline = time.monotonic() + 300
         while not collector.by_job and time.monotonic() < deadline:
@@ -287,7 +276,7 @@ def test_sigterm_with_the_broker_frozen_exits_0_within_bounds(tmp_path: Path) ->
     with EmbeddedBroker() as frozen:
         topics = make_topics(frozen.bootstrap, "frozen")
         with WorkerProcess(frozen.bootstrap, tmp_path, topics, f"f-{uuid.uuid4().hex[:6]}") as w:
-            _wait_for_log(w, "consuming", 300)
+            wait_for_log(w, "consuming", 300)
             assert w.proc is not None and frozen.pid is not None
             tree = process_tree(w.proc.pid)
             os.kill(frozen.pid, signal.SIGSTOP)

@@ -21,6 +21,7 @@ from tests.integration.workerkit import (
     describe,
     is_engine_core,
     make_topics,
+    metric_sum,
     post,
     process_tree,
     still_alive,
@@ -28,15 +29,6 @@ from tests.integration.workerkit import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 def _entries(store: Path) -> dict[str, float]:
@@ -91,9 +83,9 @@ def test_two_processes_share_the_partitions_and_drain_on_sigterm(
         assert first("duo-1", "loading the model now that the engine before") > first_ready
         # Each child serves its own metrics on port + 1 + index; together they count every job,
         # and the supervisor's port carries both (labelled) and answers the probes for both.
-        per_child = [_metric(port + 1 + i, "mmworker_jobs_total") for i in (0, 1)]
+        per_child = [metric_sum(port + 1 + i, "mmworker_jobs_total") for i in (0, 1)]
         assert all(n > 0 for n in per_child) and sum(per_child) == len(ids), per_child
-        assert _metric(port, "mmworker_jobs_total") == len(ids)
+        assert metric_sum(port, "mmworker_jobs_total") == len(ids)
         for probe in ("/startupz", "/readyz", "/livez"):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=10) as reply:
                 body = json.loads(reply.read())

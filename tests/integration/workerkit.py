@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -103,6 +104,30 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def wait_for_log(worker: WorkerProcess, text: str, timeout: float) -> None:
+    """Until the worker has logged `text`; fails at once if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in worker.log_path.read_text(errors="replace"):
+            return
+        assert worker.proc is not None
+        if worker.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not logged\n{worker.log()}")
+
+
+def metric_sum(port: int, name: str) -> float:
+    """A metric scraped from a worker, summed over its series (the supervisor of several
+    processes serves one per process)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 @dataclass
